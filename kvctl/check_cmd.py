@@ -25,6 +25,17 @@ def unreachable(why: str) -> dict:
     return {"status": "critical", "checks": [{"check": "kvd", "status": "critical", "detail": why}]}
 
 
+def ignoring(report: dict, ignored: list[str]) -> dict:
+    """`report` without the checks `ignored` names (a name alone also names it on every replica:
+    "pins" is "kvd-0: pins" too), its status that of the rest, and how many were left out."""
+    if not ignored:
+        return report
+    names = set(ignored)
+    kept = [c for c in report["checks"] if c["check"] not in names and c["check"].rpartition(": ")[2] not in names]
+    status = max((c["status"] for c in kept), key=EXIT_STATUS.__getitem__, default="ok")
+    return {**report, "status": status, "checks": kept, "ignored": len(report["checks"]) - len(kept)}
+
+
 def ask_until_ok(ask: Callable[[], dict], wait: float, every: float = 1.0, clock=time.monotonic,
                  sleep=time.sleep, waiting: Callable[[str], None] = lambda line: None) -> tuple[dict, int]:
     """`ask()` (a report; KvdUnavailable: critical) until its status is ok or `wait` seconds have
@@ -54,6 +65,8 @@ def render_report(report: dict, where: str, asked: int, console: Console) -> Non
     console.print(table)
     counts = {status: sum(row["status"] == status for row in report["checks"]) for status in ("warning", "critical")}
     said = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
+    if report.get("ignored"):
+        said = ", ".join(filter(None, [said, f"{report['ignored']} ignored"]))
     console.print(Text.assemble(f"{where}: ", (report["status"].upper(), STYLES[report["status"]]),
                                 f" ({said})" if said else "",
                                 f" after {asked} tries" if asked > 1 else ""))
@@ -62,6 +75,8 @@ def render_report(report: dict, where: str, asked: int, console: Console) -> Non
 def check(ctx: typer.Context,
           wait: float = typer.Option(0.0, "--wait", help="Ask again every second until every check is ok, up to this "
                                      "many seconds (a deploy gate: kvd may still be loading)."),
+          ignore: list[str] = typer.Option([], "--ignore", help="Leave out this check (repeat for more): as the table "
+                                           "names it, or by its name alone on every replica (e.g. pins)."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Whether kvd, or every replica behind kvd router, is fit to serve: each check ok, warning or critical.
 
@@ -72,12 +87,12 @@ def check(ctx: typer.Context,
     answer, and a warning for each way the replicas differ (software, weights, formats). Exit
     status 0 when all are ok, 1 with a warning, 2 with a critical one (as a monitoring plugin).
 
-    Example: kvctl check --wait 300 || ./roll-back
+    Example: kvctl check --wait 300 --ignore weights || ./roll-back
     """
     if wait < 0:
         raise UserError(f"wait: must be 0 or more seconds, got {wait:g}")
     client = client_for(ctx)
-    report, asked = ask_until_ok(lambda: client.get("/admin/checks"), wait,
+    report, asked = ask_until_ok(lambda: ignoring(client.get("/admin/checks"), ignore), wait,
                                  waiting=lambda line: typer.echo(line, err=True))
     where = f"kvd router at {client.where} ({report['replicas']} replicas)" if "replicas" in report \
         else f"kvd at {client.where}"

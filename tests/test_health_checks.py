@@ -131,6 +131,21 @@ def test_the_fleet_report_names_each_replica_s_checks_a_silent_replica_and_where
     assert calm["status"] == OK and not any(c["check"].startswith("fleet") for c in calm["checks"])
 
 
+def test_checks_ignored_by_name_leave_the_status_to_the_rest():
+    from kvctl.check_cmd import ignoring
+
+    report = {"status": CRITICAL, "replicas": 2, "checks": [
+        {"check": "kvd-0: pins", "status": WARNING, "detail": "1 stranded"},
+        {"check": "kvd-1: pins", "status": WARNING, "detail": "2 stranded"},
+        {"check": "kvd-1: store", "status": CRITICAL, "detail": "replaced"},
+        {"check": "fleet: differ in checkpoint revision", "status": WARNING, "detail": "a canary"}]}
+    assert ignoring(report, []) is report
+    assert ignoring(report, ["pins"]) == {**report, "checks": report["checks"][2:], "ignored": 2}
+    calm = ignoring(report, ["pins", "kvd-1: store", "fleet: differ in checkpoint revision"])
+    assert (calm["status"], calm["checks"], calm["ignored"]) == (OK, [], 4)
+    assert ignoring(report, ["kvd-1: pins", "kvd-1: store"])["status"] == WARNING  # kvd-0's pins and the fleet's
+
+
 def test_identity_is_what_the_fleet_compares_and_nothing_else():
     status = healthy()
     compared = {k: v for k, v in SOFTWARE.items() if k not in ("python", "cuda")}  # (torch's build names its CUDA)
@@ -225,6 +240,8 @@ def test_kvctl_check_at_kvd_exits_0_when_fit_1_while_drained_and_2_when_unreacha
         assert status == 1 and report["status"] == WARNING
         assert report["checks"][0] == {"check": "serving", "status": WARNING,
                                        "detail": "draining (kvctl resume takes completions again)"}
+        status, out, _ = cli(capsys, "--socket", path, "check", "--ignore", "serving")
+        assert status == 0 and " ".join(out.split()).endswith(f"kvd at {path}: OK (1 ignored)")
         assert call(app, "POST", "/admin/drain", json={"drain": False}).status_code == 200
     status, out, _ = cli(capsys, "--socket", str(tmp_path / "gone.sock"), "check")
     assert status == 2 and "kvd at" in out and "CRITICAL (1 critical)" in " ".join(out.split())
