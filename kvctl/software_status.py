@@ -26,6 +26,5 @@ def software_line(software: dict) -> str:
 def difference_line(difference: dict) -> Text:
     """"replicas differ in torch version (a seeded request may draw other tokens on each):
     2.13.0+cu128 on a, b; 2.12.0+cu126 on c"."""
-    groups = "; ".join(f"{group['value']} on {', '.join(group['replicas'])}" for group in difference["values"])
     return Text.assemble((f"replicas differ in {difference['label']}", "yellow"),
-                         f" ({difference['why']}): {groups}")
+                         f" ({difference['why']}): {difference['held']}")

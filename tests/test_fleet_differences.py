@@ -34,7 +34,8 @@ def test_a_software_difference_is_named_across_models_with_the_most_held_value_f
     assert found == [{"field": "software.torch", "label": "torch build",
                       "why": "a request may take other tokens on each, seeded or greedy", "model": None,
                       "values": [{"value": "2.13.0+cu128", "replicas": ["b", "c"]},
-                                 {"value": "2.12.0+cu126", "replicas": ["a"]}]}]
+                                 {"value": "2.12.0+cu126", "replicas": ["a"]}],
+                      "held": "2.13.0+cu128 on b, c; 2.12.0+cu126 on a"}]
 
 
 def test_a_models_weights_and_formats_are_compared_among_its_own_replicas_only():

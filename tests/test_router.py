@@ -1042,7 +1042,8 @@ def test_the_router_lists_a_model_with_the_least_max_model_len_of_its_replicas(r
         assert status.json()["differences"] == [
             {"field": "model.max_model_len", "label": "context limit", "why": "a long request fits some of them only",
              "model": model, "values": [{"value": "512 tokens", "replicas": ["replica-1"]},
-                                        {"value": "8,192 tokens", "replicas": ["replica-0"]}]}]
+                                        {"value": "8,192 tokens", "replicas": ["replica-0"]}],
+             "held": "512 tokens on replica-1; 8,192 tokens on replica-0"}]
         console = Console(record=True, width=200)
         render_status(status.json(), console)
         assert ("replicas differ in context limit (a long request fits some of them only): 512 tokens on replica-1; "

@@ -15,6 +15,17 @@ from typing import Callable
 
 NUMBERS = "a request may take other tokens on each, seeded or greedy"
 NOT_SAID = "not said (an older kvd)"
+MISSING = object()  # value_at: the status has no such field
+
+
+def value_at(status: dict, key: str) -> object:
+    """The value at `key`'s dotted path in `status`, or MISSING."""
+    value: object = status
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
 
 
 @dataclass(frozen=True)
@@ -27,11 +38,9 @@ class Field:
     shown: Callable[[object], str] = str
 
     def read(self, status: dict) -> str:
-        value: object = status
-        for part in self.key.split("."):
-            if not isinstance(value, dict) or part not in value:
-                return NOT_SAID
-            value = value[part]
+        value = value_at(status, self.key)
+        if value is MISSING:
+            return NOT_SAID
         return "not installed" if value is None and self.key.startswith("software.") else self.shown(value)
 
 
@@ -61,8 +70,9 @@ FIELDS = (
 
 def fleet_differences(statuses: list[tuple[str, dict]]) -> list[dict]:
     """Each field in which the answering replicas (name, status) differ: {"field", "label", "why",
-    "model" (None for software), "values": [{"value", "replicas"}]}, the value most replicas hold
-    first. Empty when they all agree, or fewer than two answer."""
+    "model" (None for software), "values": [{"value", "replicas"}], "held": those as a line ("2.13.0
+    on a, b; 2.12.0 on c")}, the value most replicas hold first. Empty when they all agree, or
+    fewer than two answer."""
     models: dict[str, list[tuple[str, dict]]] = {}
     for name, status in statuses:
         models.setdefault(str((status.get("model") or {}).get("name")), []).append((name, status))
@@ -79,5 +89,6 @@ def fleet_differences(statuses: list[tuple[str, dict]]) -> list[dict]:
             values = sorted(held.items(), key=lambda item: (-len(item[1]), item[0]))
             out.append({"field": field.key, "label": field.label if model is None or len(models) == 1
                         else f"{field.label} of {model}", "why": field.why, "model": model,
-                        "values": [{"value": value, "replicas": names} for value, names in values]})
+                        "values": [{"value": value, "replicas": names} for value, names in values],
+                        "held": "; ".join(f"{value} on {', '.join(names)}" for value, names in values)})
     return out

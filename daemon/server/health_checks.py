@@ -14,7 +14,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .fleet_differences import FIELDS
+from .calls import ServiceError
+from .fleet_admin import bodies_or_errors
+from .fleet_differences import FIELDS, MISSING, fleet_differences, value_at
 
 OK, WARNING, CRITICAL = "ok", "warning", "critical"
 SEVERITY = {OK: 0, WARNING: 1, CRITICAL: 2}  # also the exit status kvctl check gives
@@ -56,21 +58,18 @@ def status_checks(status: dict, now: float | None = None) -> list[Check]:
 
 
 def identity(status: dict) -> dict:
-    """The part of a status that fleet_differences compares (its FIELDS' paths), shaped as the status."""
+    """The part of a status that fleet_differences compares (its FIELDS' paths, and the model's
+    name it groups them by), shaped as the status."""
     out: dict = {}
-    for field in FIELDS:
-        value, parts = status, field.key.split(".")
-        for part in parts:
-            if not isinstance(value, dict) or part not in value:
-                break
-            value = value[part]
-        else:
-            place = out
-            for part in parts[:-1]:
-                place = place.setdefault(part, {})
-            place[parts[-1]] = value
-    if isinstance((status.get("model") or {}).get("name"), str):
-        out.setdefault("model", {})["name"] = status["model"]["name"]
+    for key in ("model.name", *(field.key for field in FIELDS)):
+        value = value_at(status, key)
+        if value is MISSING:
+            continue
+        *path, last = key.split(".")
+        place = out
+        for part in path:
+            place = place.setdefault(part, {})
+        place[last] = value
     return out
 
 
@@ -173,8 +172,6 @@ def _responses_file(responses: dict | None) -> Check | None:
 def kvd_report(service) -> dict:
     """`GET /admin/checks` at kvd: {"status": the worst, "checks": [{"check", "status", "detail"}],
     "identity": what fleet_differences compares, or None before the model is loaded}."""
-    from .calls import ServiceError
-
     checks = [serving_check(service.not_ready(), service.draining, service.asleep is not None)]
     found = None
     try:
@@ -194,9 +191,6 @@ def fleet_report(answers: list[tuple[str, int | None, dict]], router: dict) -> d
     that gave none (a warning for an older kvd, which has no checks: a 404), a warning for each way
     the answering replicas differ, one for each replica the router holds drained, and the router's
     own certificate (`router`: RouterService.status())."""
-    from .fleet_admin import bodies_or_errors
-    from .fleet_differences import fleet_differences
-
     checks: list[dict] = []
     reports = []
     for name, code, body in answers:
@@ -213,9 +207,8 @@ def fleet_report(answers: list[tuple[str, int | None, dict]], router: dict) -> d
         checks += [{**row, "check": f"{name}: {row['check']}"} for row in report["checks"]]
     known = [(name, report["identity"]) for name, report in reports if report.get("identity") is not None]
     for difference in fleet_differences(known):
-        groups = "; ".join(f"{g['value']} on {', '.join(g['replicas'])}" for g in difference["values"])
         checks.append(Check(f"differ in {difference['label']}", WARNING,
-                            f"{groups} ({difference['why']})").describe("fleet: "))
+                            f"{difference['held']} ({difference['why']})").describe("fleet: "))
     for row in router.get("replicas", []):
         if row.get("draining") in ("drained", "leaving"):
             checks.append(Check("drained at the router", WARNING, f"{row['draining']}: takes no new request; "
