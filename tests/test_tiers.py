@@ -1154,7 +1154,7 @@ def test_every_metric_the_grafana_dashboard_charts_is_exported(tmp_path):
               for name in re.findall(r"kvd_[a-z_]+", target["expr"])}
     assert {"kvd_tier_bytes", "kvd_tier_moved_bytes_total", "kvd_tier_restore_seconds_bucket",
             "kvd_rollout_ttft_seconds_bucket", "kvd_gc_pause_seconds_bucket", "kvd_tenant_evicted_blocks_total",
-            "kvd_stranded_pins"} <= wanted
+            "kvd_stranded_pins", "kvd_build_info", "kvd_model_info"} <= wanted
     text = scrape_every_family(tmp_path)
     exported = set(re.findall(r"^(kvd_[a-z_]+)", text, re.MULTILINE))  # families with samples
     suffixes = {"histogram": ("_bucket", "_sum", "_count")}  # a counter's TYPE line names it with _total
