@@ -71,7 +71,7 @@ def test_each_trouble_is_its_check_s_warning_or_critical_with_what_to_run():
                                   "and loads them"),
         ("store", WARNING, "2 audit records the store did not take (kvd's log has each); housekeeping failing: pin "
                            "expiry; rollout 4's rollback is not in the store yet"),
-        ("tiers", WARNING, "remote down: prefixes there are computed again; `kvctl tiers` says why"),
+        ("tiers", WARNING, "remote down: prefixes there are computed again; `kvctl tiers` says more"),
         ("tls", WARNING, "ssl_certfile: the certificate expires soon"),
         ("pins", WARNING, "2 pins no request reaches any more hold blocks; `kvctl pins` marks them, `kvctl unpin "
                           "--stranded` lets them go"),

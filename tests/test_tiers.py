@@ -1493,6 +1493,10 @@ def test_a_disk_tier_larger_than_its_filesystem_says_so_at_start_in_its_report_a
         text = " ".join(console.export_text().split())
         assert ("disk: its filesystem has room for 3.0 MiB more (some is kept free for other files), so the tier "
                 "holds at most 3.0 MiB of its 16.0 MiB") in text
+        checks = {c["check"]: c for c in call(app, "GET", "/admin/checks").json()["checks"]}  # kvctl check
+        assert checks["tiers"] == {"check": "tiers", "status": "warning", "detail": (
+            "disk: its filesystem holds it to 3.0 MiB of its 16.0 MiB (room for 3.0 MiB more); `kvctl tiers` says "
+            "more")}
     finally:
         service.shutdown(deadline=5)
 

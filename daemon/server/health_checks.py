@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from .byte_sizes import format_bytes
 from .calls import ServiceError
 from .fleet_admin import bodies_or_errors
 from .fleet_differences import FIELDS, MISSING, fleet_differences, value_at
@@ -123,10 +124,17 @@ def _store(store: dict) -> Check:
 def _tiers(tiers: dict | None) -> Check | None:
     if not tiers:
         return None
+    said = []
     unwell = [f"{name} {t['health']}" for name, t in tiers.items() if t.get("health", "ok") != "ok"]
     if unwell:
-        return Check("tiers", WARNING, f"{', '.join(unwell)}: prefixes there are computed again; `kvctl tiers` "
-                     "says why")
+        said.append(f"{', '.join(unwell)}: prefixes there are computed again")
+    bound = (tiers.get("disk") or {}).get("filesystem_bound")
+    if bound:
+        said.append(f"disk: its filesystem holds it to {format_bytes(bound['holds_at_most_bytes'])} of its "
+                    f"{format_bytes(tiers['disk']['capacity_bytes'])} (room for {format_bytes(bound['room_bytes'])} "
+                    "more)")
+    if said:
+        return Check("tiers", WARNING, "; ".join(said) + "; `kvctl tiers` says more")
     return Check("tiers", OK, ", ".join(tiers) + " healthy")
 
 

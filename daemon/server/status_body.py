@@ -164,7 +164,9 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
     body["gpu"] = gpu_nvml.NVML.rows((device.index or 0) if device.type == "cuda" else None)
     if service.tiers is not None:
         report = service.tiers.report()
-        body["tiers"] = {name: {k: t[k] for k in ("used_bytes", "capacity_bytes", "blocks", "health")}
+        # (the disk tier's filesystem_bound: where its filesystem holds it below its bytes, or None)
+        body["tiers"] = {name: {k: t[k] for k in ("used_bytes", "capacity_bytes", "blocks", "health",
+                                                  "filesystem_bound") if k in t}
                          for name, t in report["tiers"].items()}
     if block_map is not None:  # folded after the lock: a character per block, or per cell of blocks
         body["block_map"], body["block_map_per_cell"] = fold_block_map(block_map, cells or len(block_map) or 1)
