@@ -107,8 +107,10 @@ def test_the_fleet_report_names_each_replica_s_checks_a_silent_replica_and_where
     answers = [("kvd-0", 200, report(healthy())), ("kvd-1", 200, report(upgraded)),
                ("kvd-2", None, {"error": "ConnectError: refused"}), ("kvd-3", 200, report(healthy(stranded_pins=1))),
                ("kvd-4", 404, {"detail": "Not Found"}), ("kvd-5", 503, {"error": {"message": "engine_stalled"}})]
-    router = {"replicas": [{"replica": "kvd-0"}, {"replica": "kvd-3", "draining": "drained"},
-                           {"replica": "kvd-1", "draining": "at the replica"}],
+    router = {"replicas": [{"replica": "kvd-0", "view": {"synced": True}}, {"replica": "kvd-3", "draining": "drained"},
+                           {"replica": "kvd-1", "draining": "at the replica",
+                            "failing": {"failed_in_a_row": 3, "seconds_left": 4.5},
+                            "view": {"synced": False, "feed_error": "ReadTimeout"}}],
               "tls": {"subject": "CN=router", "days_left": 9.0, "warning": "expires in 9.0 days"}}
     fleet = fleet_report(answers, router)
     assert fleet["status"] == CRITICAL
@@ -116,8 +118,8 @@ def test_the_fleet_report_names_each_replica_s_checks_a_silent_replica_and_where
     assert rows[:6] == [("kvd-0: engine", OK), ("kvd-0: cache scales", OK), ("kvd-0: store", OK),
                         ("kvd-0: tiers", OK), ("kvd-0: tls", OK), ("kvd-0: pins", OK)]
     assert ("kvd-2: answers", CRITICAL) in rows and ("kvd-3: pins", WARNING) in rows
-    assert rows[-3:] == [("fleet: differ in kvd version", WARNING), ("kvd-3: drained at the router", WARNING),
-                         ("router: tls", WARNING)]
+    assert rows[-5:] == [("fleet: differ in kvd version", WARNING), ("kvd-3: drained at the router", WARNING),
+                         ("kvd-1: passed over", WARNING), ("kvd-1: router view", WARNING), ("router: tls", WARNING)]
     by_name = {c["check"]: c["detail"] for c in fleet["checks"]}
     assert by_name["kvd-2: answers"] == "does not answer its checks: ConnectError: refused"
     assert by_name["kvd-4: answers"] == "an older kvd, which has no checks: `kvctl status` there shows its state"
@@ -127,6 +129,11 @@ def test_the_fleet_report_names_each_replica_s_checks_a_silent_replica_and_where
         "0.1.0 on kvd-0, kvd-3; 0.2.0 on kvd-1 (a request may take other tokens on each, seeded or greedy)")
     assert by_name["kvd-3: drained at the router"] == (
         "drained: takes no new request; `kvctl fleet resume kvd-3` takes it back")
+    assert by_name["kvd-1: passed over"] == (
+        "its latest 3 answers were failures of its own: the router asks it again in 4.5 s")
+    assert by_name["kvd-1: router view"] == (
+        "the router does not follow its event feed (ReadTimeout): each request asks it instead, on the request's "
+        "path")
     calm = fleet_report([("kvd-0", 200, report(healthy())), ("kvd-1", 200, report(healthy()))], {"replicas": []})
     assert calm["status"] == OK and not any(c["check"].startswith("fleet") for c in calm["checks"])
 
@@ -304,3 +311,20 @@ def test_a_real_kvd_s_status_feeds_its_checks_a_quantised_cache_on_unit_scales_a
         "store": (OK, "writable, every record taken"), "tiers": (OK, "host, disk healthy"),
         "pins": (OK, "every pin is reachable")}
     assert report["identity"]["cache"] == {"dtype": "fp8_e4m3"}
+
+
+def test_kvctl_check_at_a_router_that_follows_no_replica_s_feed_warns_of_each(kvd, tmp_path, capsys):
+    """An events-view router whose followers do not run (as before its first snapshot) has a view of
+    no replica: each is a warning, the rest of the replica's checks as they are."""
+    from .test_cli import cli
+    from .test_router import router_app
+
+    _, app = kvd
+    _, front = router_app([app], "prefix", view="events")
+    with served_on(front, str(tmp_path / "router-events.sock")) as path:
+        status, out, _ = cli(capsys, "--socket", path, "check", "--json")
+    report = __import__("json").loads(out)
+    assert status == 1 and report["status"] == WARNING
+    assert [c for c in report["checks"] if c["status"] != OK] == [
+        {"check": "replica-0: router view", "status": WARNING,
+         "detail": "the router does not follow its event feed: each request asks it instead, on the request's path"}]

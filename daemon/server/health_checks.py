@@ -74,6 +74,24 @@ def identity(status: dict) -> dict:
     return out
 
 
+def _at_the_router(row: dict) -> list[Check]:
+    """What kvd router's book of one replica (RouterService.status()'s row) says is wrong: drained
+    there, passed over for failing, or (events view) a feed it does not follow."""
+    found = []
+    if row.get("draining") in ("drained", "leaving"):
+        found.append(Check("drained at the router", WARNING, f"{row['draining']}: takes no new request; "
+                           f"`kvctl fleet resume {row['replica']}` takes it back"))
+    if row.get("failing"):
+        found.append(Check("passed over", WARNING, f"its latest {row['failing']['failed_in_a_row']} answers were "
+                           f"failures of its own: the router asks it again in {row['failing']['seconds_left']:g} s"))
+    view = row.get("view")
+    if view is not None and not view["synced"]:
+        found.append(Check("router view", WARNING, "the router does not follow its event feed"
+                           + (f" ({view['feed_error']})" if view.get("feed_error") else "")
+                           + ": each request asks it instead, on the request's path"))
+    return found
+
+
 def _ago(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 \
         else f"{seconds / 3600:.1f} h"
@@ -218,9 +236,7 @@ def fleet_report(answers: list[tuple[str, int | None, dict]], router: dict) -> d
         checks.append(Check(f"differ in {difference['label']}", WARNING,
                             f"{difference['held']} ({difference['why']})").describe("fleet: "))
     for row in router.get("replicas", []):
-        if row.get("draining") in ("drained", "leaving"):
-            checks.append(Check("drained at the router", WARNING, f"{row['draining']}: takes no new request; "
-                                f"`kvctl fleet resume {row['replica']}` takes it back").describe(f"{row['replica']}: "))
+        checks += [c.describe(f"{row['replica']}: ") for c in _at_the_router(row)]
     tls = _tls(router.get("tls"))
     if tls is not None:
         checks.append(tls.describe("router: "))
