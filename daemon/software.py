@@ -14,8 +14,8 @@ import platform
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 
-# the libraries whose versions are reported, as pip names them (None: not installed)
-LIBRARIES = ("torch", "triton", "tokenizers", "llguidance")
+# the libraries besides torch whose versions are reported, as pip names them (None: not installed)
+LIBRARIES = ("triton", "tokenizers", "llguidance")
 
 
 def _installed(name: str) -> str | None:
@@ -32,13 +32,12 @@ def software_versions() -> dict[str, str | None]:
     build). Read once a process: what is imported does not change under it."""
     from kvctl import __version__
 
-    found = {"kvd": __version__, "python": platform.python_version()}
-    found.update({name: _installed(name) for name in LIBRARIES})
     try:
         import torch
 
-        found["torch"] = torch.__version__  # with its local tag (+cpu, +cu128): the build, not just the release
-        found["cuda"] = torch.version.cuda
+        # with its local tag (+cpu, +cu128): the build, not just the release
+        built = {"torch": torch.__version__, "cuda": torch.version.cuda}
     except ImportError:
-        found["cuda"] = None
-    return {key: found[key] for key in ("kvd", "python", "torch", "cuda", "triton", "tokenizers", "llguidance")}
+        built = {"torch": None, "cuda": None}
+    return {"kvd": __version__, "python": platform.python_version(), **built,
+            **{name: _installed(name) for name in LIBRARIES}}

@@ -24,7 +24,7 @@ def software_line(software: dict) -> str:
 
 
 def difference_line(difference: dict) -> Text:
-    """"replicas differ in torch version (a seeded request may draw other tokens on each):
-    2.13.0+cu128 on a, b; 2.12.0+cu126 on c"."""
+    """"replicas differ in torch build (a request may take other tokens on each, seeded or greedy):
+    2.13.0+cu128 on a, b; 2.12.0+cu126 on c" (the router's `held` line of the difference)."""
     return Text.assemble((f"replicas differ in {difference['label']}", "yellow"),
                          f" ({difference['why']}): {difference['held']}")

@@ -78,8 +78,7 @@ def fleet_differences(statuses: list[tuple[str, dict]]) -> list[dict]:
         models.setdefault(str((status.get("model") or {}).get("name")), []).append((name, status))
     out = []
     for field in FIELDS:
-        groups = [(model, members) for model, members in sorted(models.items())] if field.per_model \
-            else [(None, statuses)]
+        groups = sorted(models.items()) if field.per_model else [(None, statuses)]
         for model, members in groups:
             held: dict[str, list[str]] = {}
             for name, status in members:
