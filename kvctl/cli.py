@@ -30,6 +30,7 @@ from .fleet_cmd import drain_daemon, fleet_app, resume_daemon
 from .profile_cmd import profile_app
 from .rollout_cmd import rollout_app
 from .check_cmd import check
+from .hit_curve_cmd import hit_curve
 from .sleep_cmd import sleep_daemon, wake_daemon
 from .weights_cmd import update_weights
 from .errors import UserError
@@ -57,6 +58,7 @@ for _command in (status_view.status, ops.prefixes, ops.pin, ops.pins, ops.unpin,
 app.add_typer(ops.config_app, name="config")
 app.command("capacity")(capacity_command)
 app.command("check")(check)
+app.command("hit-curve")(hit_curve)
 app.add_typer(records_cmd.adr_app, name="adr")
 app.add_typer(records_cmd.db_app, name="db")
 app.add_typer(rollout_app, name="rollout")

@@ -48,6 +48,7 @@ from kvctl.policies.tenant_shares import OTHERS, TenantShares, share_blocks
 
 from .errors import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest, PinLeavesNoRoom, UnknownPin,
                      UnknownSequence)
+from .hit_curve import HitCurve
 from .keys import BlockKey, Namespace, PrefixHasher, chain_keys, validate_block_size
 from .pins import Pin, PinRegistry, pin_id_for, pin_origin
 from .pool import BlockPool
@@ -161,6 +162,9 @@ class KVCacheManager:
         self._clock = clock or _logical_clock()
         self.roots: dict[BlockKey, RootInfo] = {}
         self.block_bytes = block_bytes
+        # what an LRU cache of other sizes would have served of the prompts looked up (hit_curve.py), where
+        # the owner keeps one (the engine: it feeds each prompt as first admitted; `release`, the written blocks)
+        self.hit_curve: HitCurve | None = None
 
     @property
     def policy_name(self) -> str:
@@ -592,6 +596,9 @@ class KVCacheManager:
         if seq is None:
             return 0
         now = self._clock()
+        if self.hit_curve is not None:
+            written = seq.num_tokens if written_tokens is None else min(written_tokens, seq.num_tokens)
+            self.hit_curve.touch(reversed(seq.keys[:written // self.block_size]))  # (tail first, as they go back)
         if written_tokens is not None and written_tokens < seq.num_tokens:
             pool = self.pool
             for position in range(max(written_tokens // self.block_size, seq.dropped), len(seq.table)):

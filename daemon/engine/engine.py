@@ -39,6 +39,7 @@ import torch
 
 from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHasher
 from kvctl.daemon.cache.events import EventLog
+from kvctl.daemon.cache.hit_curve import HitCurve, sizes_for
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, pinned_out_reason, tenant_limit_reason
 from kvctl.policies.queue_order import (LPM_MAX_WAITING, by_prefix, by_priority, check_queue_order, goes_before,
@@ -193,6 +194,7 @@ class Engine:
                                     if loaded.config.every_layer_slides and settings.release_window_blocks else None,
                                     step_tokens=settings.max_batch_tokens)
         self.cache.set_tenant_shares(settings.tenant_cache_shares)
+        self.cache.hit_curve = HitCurve(sizes_for(settings.num_blocks))  # what other sizes would have served
         self.events = EventLog()  # every block indexed in or dropped from a tier, for routers and operators
         self.prefill_rate = RateMeter(rate=2000.0)  # prompt tokens per second, measured on prefill steps
         self.cache.pool.events = self.events
@@ -953,6 +955,8 @@ class Engine:
                 request.metrics.restored_tokens = restored  # part of its hits, as they are counted
                 self.stats.prompt_tokens += len(tokens)
                 self.stats.hit_tokens += admission.hit_tokens
+                self.cache.hit_curve.look(keys[:self.cache.cacheable_blocks(len(tokens))] if reuse else (),
+                                          len(tokens))
                 self.stats.restored_tokens += restored
                 by_tenant[PROMPT] += len(tokens)
                 by_tenant[HIT] += admission.hit_tokens

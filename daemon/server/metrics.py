@@ -4,6 +4,11 @@
     kvd_prompt_tokens_total                   prompt tokens of admitted requests
     kvd_prefix_hit_tokens_total               of those, served from the prefix cache
     kvd_recomputed_tokens_total               tokens computed again after preemption
+    kvd_hit_curve_hit_tokens_total{times}     prompt tokens an LRU cache of `times` the device's blocks ("inf":
+                                              one that never evicts) would have served (hit_curve.py); over
+    kvd_hit_curve_prompt_tokens_total         the prompt tokens it was fed: the hit ratio at each size
+    kvd_hit_curve_blocks{times}               the blocks each size is; exact up to kvd_hit_curve_exact_blocks,
+    kvd_hit_curve_sample_rate                 estimated beyond from this share of the older blocks
     kvd_evicted_blocks_total{reason}          capacity (by the policy), tenant_share (from a tenant over its
                                               share, tenant_cache_shares), operator, space, or sleep (the
                                               cache's memory given back)
@@ -153,6 +158,26 @@ def _speculation_metrics(figures: dict):
     yield per_position
 
 
+def hit_curve_families(curve: dict):
+    """What an LRU cache of each size would have served (cache/hit_curve.py figures)."""
+    hits = CounterMetricFamily("kvd_hit_curve_hit_tokens", "Prompt tokens an LRU cache of `times` the device's "
+                               "blocks would have served (inf: one that never evicts), estimated", labels=["times"])
+    blocks = GaugeMetricFamily("kvd_hit_curve_blocks", "The blocks of each size of kvd_hit_curve_hit_tokens",
+                               labels=["times"])
+    for row in curve["sizes"]:
+        hits.add_metric([row["times"]], row["hit_tokens"])
+        if row["blocks"] is not None:
+            blocks.add_metric([row["times"]], row["blocks"])
+    yield hits
+    yield blocks
+    yield CounterMetricFamily("kvd_hit_curve_prompt_tokens", "Prompt tokens the hit curve was fed (its hit "
+                              "tokens over this: each size's hit ratio)", value=curve["prompt_tokens"])
+    yield GaugeMetricFamily("kvd_hit_curve_exact_blocks", "Sizes up to this many blocks are exact in the hit "
+                            "curve; larger ones are estimated from a sample", value=curve["exact_blocks"])
+    yield GaugeMetricFamily("kvd_hit_curve_sample_rate", "The share of older blocks the hit curve keeps to "
+                            "estimate its larger sizes (1: all)", value=curve["sample_rate"])
+
+
 class _EngineCollector:
     def __init__(self, service: EngineService) -> None:
         self.service = service
@@ -172,6 +197,7 @@ class _EngineCollector:
                 stats = engine.stats
                 pool = engine.cache.pool
                 window_released = engine.cache.window_released
+                curve = engine.cache.hit_curve.figures(engine.cache.block_size)
                 now = engine.clock()
                 ages = [now - s.request.metrics.arrival for s in engine.waiting()]
                 pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
@@ -235,6 +261,7 @@ class _EngineCollector:
         yield CounterMetricFamily("kvd_sliding_window_released_blocks", "Blocks sequences gave back as their "
                                   "sliding window passed them (they stay cached); 0 unless every layer slides one",
                                   value=window_released)
+        yield from hit_curve_families(curve)
         asleep = self.service.asleep
         transfers = self.service.kv_transfers.snapshot()
         for name, text, label, values in TRANSFER_FAMILIES:

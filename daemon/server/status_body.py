@@ -103,6 +103,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "tokens": {"prompt": stats.prompt_tokens, "hit": stats.hit_tokens,
                        "recomputed": stats.recomputed_tokens, "restored": stats.restored_tokens,
                        "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
+            # what an LRU cache of other sizes would have served of the same prompts (cache/hit_curve.py)
+            "hit_curve": {**cache.hit_curve.figures(cache.block_size), "device_blocks": cache.num_blocks},
             "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions,
                           "tenant_share": cache.pool.share_evictions, "space": cache.pool.space_evictions,
                           "sleep": cache.pool.sleep_evictions},

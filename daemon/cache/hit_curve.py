@@ -1,0 +1,201 @@
+"""What an LRU prefix cache of other sizes would have served of the prompts kvd took: a hit
+curve (a miss ratio curve turned over) from reuse distances, measured on live traffic.
+
+Mattson's one pass: a block's reuse distance is how many other blocks were used since it was
+last used, and an LRU cache of C blocks holds it exactly when that is under C, so one pass over
+the traffic answers every size at once. A prompt is served its chain of full blocks up to the
+first block not held, so a block counts as a hit at size C when every block of its chain up to
+it is under C (the running maximum of their distances).
+
+`look` is fed each admitted prompt's chain keys (the blocks it may take from the cache, counted);
+`touch` the blocks a sequence wrote beyond those (its reply's blocks, cached as they fill, used
+but not counted). Distances come from Fenwick trees over the times of each key's last use.
+
+Memory is bounded in two parts. The `exact_keys` most recently used keys are all kept, so a
+distance under `exact_keys` is exact, and so is the curve at every size up to it: the blocks a
+system prompt is made of, used by every request, always are. A key that falls out of them is
+kept only while sampled by its hash, as SHARDS samples (Waldspurger et al., FAST '15, fixed
+size): while the top 64 bits of its SHA-256 chain key fall under a threshold, which starts above
+every key and falls to the highest kept key's whenever more than `sampled_keys` are kept (that
+key and those above it are let go). A use of a key from outside the recent ones counts for
+1/rate uses when the key is sampled, and not at all otherwise; its distance is the recent keys
+and 1/rate for each sampled key used since. What the model leaves out: pins (always held),
+running sequences' blocks (held until they finish), another eviction policy than LRU, and a
+sliding window (a hit needs only the window's blocks).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+SPACE = 2 ** 64  # the top 64 bits of a chain key
+TIMES = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)  # the sizes kvd reports, as multiples of its device's blocks
+EXACT_KEYS = 32_768  # the most recent keys, all kept: sizes up to this many blocks are exact
+SAMPLED_KEYS = 16_384  # older keys kept at most, sampled (about 12 MiB in all)
+
+
+def sizes_for(device_blocks: int, times: Sequence[float] = TIMES) -> list[tuple[str, int | None]]:
+    """(label, blocks) for each multiple of `device_blocks` (at least one block), then ("inf", None):
+    a cache that never evicts, whose misses are only blocks seen for the first time."""
+    return [(f"{t:g}", max(1, round(device_blocks * t))) for t in times] + [("inf", None)]
+
+
+class _Marks:
+    """A Fenwick tree over times 1..span: how many keys were last used after a time."""
+
+    def __init__(self, span: int, times: Iterable[int] = ()) -> None:
+        tree, total = [0] * (span + 1), 0
+        for time in times:
+            tree[time] += 1
+            total += 1
+        for time in range(1, span + 1 if total else 0):  # built in one pass
+            parent = time + (time & -time)
+            if parent <= span:
+                tree[parent] += tree[time]
+        self.tree, self.span, self.total = tree, span, total
+
+    def add(self, time: int, delta: int) -> None:
+        tree, span = self.tree, self.span
+        self.total += delta
+        while time <= span:
+            tree[time] += delta
+            time += time & -time
+
+    def after(self, time: int) -> int:
+        """Marks at times after `time`."""
+        tree, through = self.tree, 0
+        while time > 0:
+            through += tree[time]
+            time -= time & -time
+        return self.total - through
+
+
+class HitCurve:
+    """Estimated hit blocks of an LRU cache at each of `sizes` (blocks; None: unbounded)."""
+
+    def __init__(self, sizes: Sequence[tuple[str, int | None]], exact_keys: int = EXACT_KEYS,
+                 sampled_keys: int = SAMPLED_KEYS) -> None:
+        for name, value in (("exact_keys", exact_keys), ("sampled_keys", sampled_keys)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a whole number of at least 1, got {value!r}")
+        self.labels = [label for label, _ in sizes]
+        self.sizes = [math.inf if blocks is None else blocks for _, blocks in sizes]
+        if self.sizes != sorted(self.sizes):
+            raise ValueError(f"sizes: must ascend, got {[blocks for _, blocks in sizes]!r}")
+        self.exact_keys, self.sampled_keys = exact_keys, sampled_keys
+        self.threshold = SPACE  # an older key is kept while its hash is under this
+        self.hit_blocks = [0.0] * len(sizes)  # estimated, per size
+        self.looked_blocks = 0.0  # estimated blocks looked up (the chains' full blocks)
+        self.prompts = 0
+        self.prompt_tokens = 0  # every token of the prompts looked up, as kvd counts them
+        self._recent: OrderedDict[bytes, int] = OrderedDict()  # the most recent keys -> last use, oldest first
+        self._sampled: dict[bytes, int] = {}  # older keys kept -> last use
+        self._by_hash: list[tuple[int, bytes]] = []  # max-heap (negated) of the sampled keys' hashes (some stale)
+        self._span = 4 * (exact_keys + sampled_keys)  # times before they are renumbered
+        self._recent_marks, self._sampled_marks = _Marks(self._span), _Marks(self._span)
+        self._now = 0
+
+    @property
+    def rate(self) -> float:
+        """The share of older keys kept (1.0: every key, the curve is exact at every size)."""
+        return self.threshold / SPACE
+
+    @property
+    def tracked(self) -> int:
+        return len(self._recent) + len(self._sampled)
+
+    def look(self, keys: Sequence[bytes], prompt_tokens: int) -> None:
+        """A prompt of `prompt_tokens` tokens is admitted; `keys` are the chain keys of the full
+        blocks it may take from the cache, root first."""
+        self.prompts += 1
+        self.prompt_tokens += prompt_tokens
+        chain = 0.0  # the largest distance of the chain so far
+        sizes, hits = self.sizes, self.hit_blocks
+        for key in keys:
+            distance, weight = self._use(key)
+            chain = max(chain, distance)
+            if not weight:
+                continue
+            self.looked_blocks += weight
+            for i, blocks in enumerate(sizes):
+                if chain < blocks:
+                    hits[i] += weight
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Blocks a sequence wrote and the cache keeps (a reply's): used, not counted."""
+        for key in keys:
+            self._use(key)
+
+    def figures(self, block_size: int) -> dict:
+        """Plain data for /admin/status and /metrics: each size's estimated hit tokens, and up to
+        how many blocks the figures are exact."""
+        return {"exact_blocks": self.exact_keys, "sample_rate": self.rate, "tracked_keys": self.tracked,
+                "prompts": self.prompts, "prompt_tokens": self.prompt_tokens,
+                "looked_tokens": round(self.looked_blocks * block_size),
+                "sizes": [{"times": label, "blocks": None if blocks == math.inf else blocks,
+                           "hit_tokens": round(hit * block_size)}
+                          for label, blocks, hit in zip(self.labels, self.sizes, self.hit_blocks)]}
+
+    # ---- reuse distances -------------------------------------------------------------------
+    def _use(self, key: bytes) -> tuple[float, float]:
+        """Use `key` now: its reuse distance (inf: first use) and what the use counts for (0:
+        a key not sampled from outside the recent ones, whose distance is only known to be at
+        least theirs)."""
+        if self._now == self._span:
+            self._renumber()
+        self._now += 1
+        recent, sampled = self._recent, self._sampled
+        last = recent.get(key)
+        if last is not None:
+            distance, weight = float(self._recent_marks.after(last)), 1.0
+            self._recent_marks.add(last, -1)
+            recent.move_to_end(key)
+        else:
+            last = sampled.pop(key, None)
+            rate = self.rate
+            if last is not None:
+                distance = self._recent_marks.total + self._sampled_marks.after(last) / rate
+                weight = 1.0 / rate
+                self._sampled_marks.add(last, -1)
+            elif int.from_bytes(key[:8], "big") < self.threshold:  # a sampled key not kept was never used
+                distance, weight = math.inf, 1.0 / rate
+            else:  # never used, or let go: at least every recent key was used since, if it ever was
+                distance, weight = float(len(recent)), 0.0
+        recent[key] = self._now
+        self._recent_marks.add(self._now, 1)
+        if len(recent) > self.exact_keys:
+            self._age(*recent.popitem(last=False))
+        return distance, weight
+
+    def _age(self, key: bytes, last: int) -> None:
+        """`key` is no longer among the most recent: keep it while sampled."""
+        self._recent_marks.add(last, -1)
+        hashed = int.from_bytes(key[:8], "big")
+        if hashed >= self.threshold:
+            return
+        self._sampled[key] = last
+        self._sampled_marks.add(last, 1)
+        heapq.heappush(self._by_hash, (-hashed, key))
+        while len(self._sampled) > self.sampled_keys:  # lower the threshold to the highest kept hash
+            negated, dropped = heapq.heappop(self._by_hash)
+            if dropped in self._sampled:
+                self.threshold = -negated
+                self._sampled_marks.add(self._sampled.pop(dropped), -1)
+        if len(self._by_hash) > 2 * len(self._sampled) + 64:  # keys used again since they aged: let them go
+            self._by_hash = [(-int.from_bytes(k[:8], "big"), k) for k in self._sampled]
+            heapq.heapify(self._by_hash)
+
+    def _renumber(self) -> None:
+        """Give the kept keys times 1..n in the order of their last use, and rebuild the trees."""
+        order = sorted([*self._sampled.items(), *self._recent.items()], key=lambda item: item[1])
+        for time, (key, _) in enumerate(order, 1):
+            if key in self._sampled:
+                self._sampled[key] = time
+            else:
+                self._recent[key] = time  # (the recent keys keep their order: they sort last, in it)
+        self._now = len(order)
+        self._recent_marks = _Marks(self._span, self._recent.values())
+        self._sampled_marks = _Marks(self._span, self._sampled.values())

@@ -1,0 +1,108 @@
+"""`kvctl hit-curve`: what an LRU prefix cache of each size would have served of the prompts kvd
+took since it started. kvd measures it (daemon/cache/hit_curve.py, `hit_curve` in /admin/status);
+this draws it, one table per replica at kvd router."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Group
+from rich.markup import escape
+from rich.text import Text
+
+from .command_kit import client_for, show_or_watch
+from .fleet_status import is_fleet
+from .tables import compact_table, fit_cells, size
+
+BAR = 20  # the widest bar, at a hit ratio of 100%
+NEAR = 0.01  # a size within this of the never-evicting cache's hit ratio is where more blocks stop paying
+
+
+def hit_curve(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
+              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """What a prefix cache of each size would have served of this kvd's prompts: hit ratio by size.
+
+    kvd follows every prompt block it admits (and every block a reply writes) and measures how
+    many other blocks were used since it was last used: an LRU cache of that many blocks would
+    have held it. So one pass over the traffic gives, for caches from an eighth of the device's
+    blocks to 64 times them and one that never evicts, the prompt tokens each would have served.
+    Read it to size the device cache and the lower tiers: where the curve flattens, more blocks buy
+    little. Exact up to 32,768 blocks; larger sizes are estimated from a sample of the older blocks.
+    Counts only, never prompts. At kvd router, each replica's.
+
+    Example: kvctl hit-curve --watch
+    """
+    client = client_for(ctx)
+    show_or_watch(lambda: client.get("/admin/status"), render_hit_curves, watch, as_json, for_json=curves_of)
+
+
+def curves_of(status: dict) -> dict:
+    """The part of a status answer `--json` prints: the curve, or each replica's."""
+    if is_fleet(status):
+        return {"replicas": [{"replica": row["replica"], "hit_curve": row.get("hit_curve"),
+                              **({"error": row["error"]} if "error" in row else {})}
+                             for row in status["replica_status"]]}
+    return {"hit_curve": status.get("hit_curve"), "bytes_per_block": status.get("bytes_per_block"),
+            "tokens": status.get("tokens")}
+
+
+def render_hit_curves(status: dict):
+    if not is_fleet(status):
+        return render_hit_curve(status)
+    parts = []
+    for row in status["replica_status"]:
+        parts.append(Text(f"replica {row['replica']}", style="bold"))
+        parts.append(Text(f"  no answer: {row['error']}") if "error" in row else render_hit_curve(row))
+    return Group(*parts)
+
+
+def render_hit_curve(status: dict):
+    """One kvd's curve: a row per size, the device's own marked, then what the figures rest on."""
+    curve = status.get("hit_curve")
+    if curve is None:
+        return Text("this kvd reports no hit curve (it is older than kvctl hit-curve)")
+    if not curve["prompts"]:
+        return Text("no prompt admitted since kvd started: nothing to draw yet")
+    per_block, prompt_tokens = status.get("bytes_per_block"), curve["prompt_tokens"]
+    table = compact_table("cache", "blocks", "bytes", "hit tokens", "hit ratio", "")
+    never = curve["sizes"][-1]["hit_tokens"] / prompt_tokens
+    enough = None  # the smallest size within NEAR of a cache that never evicts
+    for row in curve["sizes"]:
+        ratio = row["hit_tokens"] / prompt_tokens
+        if row["blocks"] is None:
+            label, blocks, held = "never evicts", "-", "-"
+        else:
+            label = f"{row['times']}x" + (" (device)" if row["times"] == "1" else "")
+            blocks, held = f"{row['blocks']:,}", "-" if per_block is None else size(row["blocks"] * per_block)
+            if enough is None and never - ratio <= NEAR:
+                enough = row
+        table.add_row(label, blocks, held, f"{row['hit_tokens']:,}", f"{ratio:.1%}",
+                      "█" * round(ratio * BAR), style="bold" if row["times"] == "1" else None)
+    for column in table.columns[1:5]:
+        column.justify = "right"
+    fit_cells(table, 0, 1, 2, 3, 4)
+    tokens = status.get("tokens") or {}
+    lines = [f"{curve['prompts']:,} prompts, {prompt_tokens:,} tokens since kvd started (of them "
+             f"{curve['looked_tokens']:,} in full blocks a cache can serve); an LRU cache of each size would "
+             "have served:"]
+    notes = []
+    if enough is not None and enough is not curve["sizes"][0]:
+        notes.append(f"{enough['times']}x the device's blocks would serve within {NEAR * 100:g} point of a cache "
+                     "that never evicts: more blocks than that buy little")
+    if "hit" in tokens:
+        notes.append(f"kvd served {tokens['hit'] / prompt_tokens:.1%} in fact ({tokens['hit']:,} tokens), under "
+                     f"{status.get('eviction_policy', 'its')} eviction, its pins, the blocks running requests hold "
+                     "and its lower tiers; the curve is plain LRU over one pool")
+    tiers = status.get("tiers") or {}
+    sized = {name: t["capacity_bytes"] // per_block for name, t in tiers.items()
+             if t.get("capacity_bytes") and per_block}
+    if sized:
+        notes.append("lower tiers hold up to " + ", ".join(f"{name} {blocks:,}" for name, blocks in sized.items())
+                     + " blocks more (uncompressed)")
+    if curve["sample_rate"] < 1:
+        notes.append(f"exact up to {curve['exact_blocks']:,} blocks; larger sizes estimated from "
+                     f"{curve['sample_rate']:.2%} of the older blocks")
+    window = (status.get("model") or {}).get("sliding_window")
+    if window:
+        notes.append(f"the model slides a window of {window['tokens']:,} tokens: a hit needs only the blocks it "
+                     "reaches, the curve counts whole prefixes")
+    return Group(Text(lines[0]), table, *(Text(escape(note), style="dim") for note in notes))
