@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 36
+    assert len(names) == len(set(names)) == 37
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -492,5 +492,32 @@ def test_the_fleet_rules_fire_while_kvds_of_one_job_run_other_builds_or_serve_a_
             assert fired(Scrapes(two_models, two_models)) == {}
         finally:
             service.loaded = loaded
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_cache_size_rule_fires_where_twice_the_cache_would_serve_a_tenth_more(tmp_path):
+    """Prompts that a cache of 64 blocks serves as well as one of 128: quiet. 10,000 more prompt tokens
+    of which a cache twice the size would serve 1,500 more than the device's: KvdCacheTooSmall."""
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        before = scrape(app)
+        for first in (11, 12, 11):
+            answer = call(app, "POST", "/v1/completions", json={"prompt": [first] + [7] * 70, "max_tokens": 2,
+                                                                "temperature": 0, "ignore_eos": True})
+            assert answer.status_code == 200
+        now = scrape(app)
+        hits = now["kvd_hit_curve_hit_tokens_total"]
+        device, twice = (hits[frozenset({**KVD, "times": t}.items())] for t in ("1", "2"))
+        assert device == twice == 64.0
+        assert fired(Scrapes(before, now)) == {}
+        small = {**now, "kvd_hit_curve_prompt_tokens_total": {
+            labels: value + 10_000 for labels, value in now["kvd_hit_curve_prompt_tokens_total"].items()}}
+        small["kvd_hit_curve_hit_tokens_total"] = {
+            labels: value + {"1": 4_000, "2": 5_500}.get(dict(labels)["times"], 6_000) for labels, value in hits.items()}
+        [(labels, gain)] = fired(Scrapes(now, small))["KvdCacheTooSmall"].items()
+        assert labels == (("instance", KVD["instance"]),) and gain == pytest.approx(0.15)
+        assert fired(Scrapes(now, now)) == {}  # no prompt in the range: no ratio, no alert
     finally:
         service.shutdown(deadline=2)

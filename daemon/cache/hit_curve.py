@@ -26,7 +26,9 @@ sliding window (a hit needs only the window's blocks).
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
 from collections import OrderedDict
 from typing import Iterable, Sequence
@@ -64,6 +66,18 @@ class _Marks:
             tree[time] += delta
             time += time & -time
 
+    def move(self, old: int, new: int) -> None:
+        """A key last used at `old` is used at `new`: one walk up from each, which stops where the
+        two meet (above it, the -1 and the +1 cancel)."""
+        tree, span = self.tree, self.span
+        while old != new and (old <= span or new <= span):
+            if old < new:
+                tree[old] -= 1
+                old += old & -old
+            else:
+                tree[new] += 1
+                new += new & -new
+
     def after(self, time: int) -> int:
         """Marks at times after `time`."""
         tree, through = self.tree, 0
@@ -87,7 +101,7 @@ class HitCurve:
             raise ValueError(f"sizes: must ascend, got {[blocks for _, blocks in sizes]!r}")
         self.exact_keys, self.sampled_keys = exact_keys, sampled_keys
         self.threshold = SPACE  # an older key is kept while its hash is under this
-        self.hit_blocks = [0.0] * len(sizes)  # estimated, per size
+        self._held_from = [0.0] * (len(sizes) + 1)  # estimated blocks by the first size that holds them (last: none)
         self.looked_blocks = 0.0  # estimated blocks looked up (the chains' full blocks)
         self.prompts = 0
         self.prompt_tokens = 0  # every token of the prompts looked up, as kvd counts them
@@ -104,6 +118,11 @@ class HitCurve:
         return self.threshold / SPACE
 
     @property
+    def hit_blocks(self) -> list[float]:
+        """Estimated hit blocks at each size: those held from it or from a smaller one."""
+        return list(itertools.accumulate(self._held_from[:-1]))
+
+    @property
     def tracked(self) -> int:
         return len(self._recent) + len(self._sampled)
 
@@ -113,16 +132,14 @@ class HitCurve:
         self.prompts += 1
         self.prompt_tokens += prompt_tokens
         chain = 0.0  # the largest distance of the chain so far
-        sizes, hits = self.sizes, self.hit_blocks
+        sizes, held_from, use = self.sizes, self._held_from, self._use
         for key in keys:
-            distance, weight = self._use(key)
-            chain = max(chain, distance)
-            if not weight:
-                continue
-            self.looked_blocks += weight
-            for i, blocks in enumerate(sizes):
-                if chain < blocks:
-                    hits[i] += weight
+            distance, weight = use(key)
+            if distance > chain:
+                chain = distance
+            if weight:
+                self.looked_blocks += weight
+                held_from[bisect.bisect_right(sizes, chain)] += weight  # the first size over the chain's distance
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Blocks a sequence wrote and the cache keeps (a reply's): used, not counted."""
@@ -149,21 +166,22 @@ class HitCurve:
         self._now += 1
         recent, sampled = self._recent, self._sampled
         last = recent.get(key)
-        if last is not None:
-            distance, weight = float(self._recent_marks.after(last)), 1.0
-            self._recent_marks.add(last, -1)
+        if last is not None:  # one of the recent keys: the most frequent case, kept short
+            distance = float(self._recent_marks.after(last))
             recent.move_to_end(key)
-        else:
-            last = sampled.pop(key, None)
-            rate = self.rate
-            if last is not None:
-                distance = self._recent_marks.total + self._sampled_marks.after(last) / rate
-                weight = 1.0 / rate
-                self._sampled_marks.add(last, -1)
-            elif int.from_bytes(key[:8], "big") < self.threshold:  # a sampled key not kept was never used
-                distance, weight = math.inf, 1.0 / rate
-            else:  # never used, or let go: at least every recent key was used since, if it ever was
-                distance, weight = float(len(recent)), 0.0
+            recent[key] = self._now
+            self._recent_marks.move(last, self._now)
+            return distance, 1.0
+        last = sampled.pop(key, None)
+        rate = self.rate
+        if last is not None:
+            distance = self._recent_marks.total + self._sampled_marks.after(last) / rate
+            weight = 1.0 / rate
+            self._sampled_marks.add(last, -1)
+        elif int.from_bytes(key[:8], "big") < self.threshold:  # a sampled key not kept was never used
+            distance, weight = math.inf, 1.0 / rate
+        else:  # never used, or let go: at least every recent key was used since, if it ever was
+            distance, weight = float(len(recent)), 0.0
         recent[key] = self._now
         self._recent_marks.add(self._now, 1)
         if len(recent) > self.exact_keys:
