@@ -45,6 +45,17 @@ def curves_of(status: dict) -> dict:
             "tokens": status.get("tokens")}
 
 
+def twice_the_cache(curve: dict | None) -> str:
+    """What `kvctl status` adds to its prefix hits: what LRU over the device's blocks, and over twice
+    them, would have served ("" before any prompt, or from a kvd older than the curve)."""
+    if not curve or not curve["prompt_tokens"]:
+        return ""
+    ratios = {row["times"]: row["hit_tokens"] / curve["prompt_tokens"] for row in curve["sizes"]}
+    if "1" not in ratios or "2" not in ratios:
+        return ""
+    return f"; LRU over these blocks {ratios['1']:.1%}, over twice them {ratios['2']:.1%} (kvctl hit-curve)"
+
+
 def render_hit_curves(status: dict):
     if not is_fleet(status):
         return render_hit_curve(status)
@@ -85,7 +96,10 @@ def render_hit_curve(status: dict):
              f"{curve['looked_tokens']:,} in full blocks a cache can serve); an LRU cache of each size would "
              "have served:"]
     notes = []
-    if enough is not None and enough is not curve["sizes"][0]:
+    if enough is curve["sizes"][0]:
+        notes.append(f"even {enough['times']}x the device's blocks would serve within {NEAR * 100:g} point of a "
+                     "cache that never evicts: the misses are blocks used for the first time")
+    elif enough is not None:
         notes.append(f"{enough['times']}x the device's blocks would serve within {NEAR * 100:g} point of a cache "
                      "that never evicts: more blocks than that buy little")
     if "hit" in tokens:

@@ -20,6 +20,7 @@ from .command_kit import client_for, emit, redraw
 from .fleet_status import (PHASE_NAMES, before_load, is_fleet, prompts, render_fleet_status, reservation_text,
                            step_failures_line, store_trouble)
 from .gc_status import gc_line
+from .hit_curve_cmd import twice_the_cache
 from .software_status import software_line
 from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
@@ -153,7 +154,7 @@ def render_status(data: dict, console: Console | None = None):
         facts.add_row("sampling", ", ".join(f"{name} {value}" for name, value in sampling["values"].items())
                       + f" unless a request says otherwise ({sampling['source']})")
     facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
-                                 f"({tokens['hit_ratio']:.1%})")
+                                 f"({tokens['hit_ratio']:.1%})" + twice_the_cache(data.get("hit_curve")))
     facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")
     reservation = data.get("reservation")  # an older kvd does not say
     if reservation:

@@ -75,6 +75,11 @@ def test_kvctl_hit_curve_draws_each_size_and_marks_the_device_s_own(tmp_path, ca
             assert status == 0 and set(answer) == {"hit_curve", "bytes_per_block", "tokens"}
             assert answer["hit_curve"]["sizes"][1] == {"times": "0.25", "blocks": 16, "hit_tokens": 64}
             assert answer["tokens"]["hit"] == 64
+            status, out, _ = cli(capsys, "--socket", path, "status")
+            shown = " ".join(out.split())
+            assert status == 0
+            assert ("prefix hits 64 of 284 prompt tokens (22.5%); LRU over these blocks 22.5%, over twice them "
+                    "22.5% (kvctl hit-curve)") in shown
     finally:
         service.shutdown(deadline=2)
 
@@ -112,6 +117,11 @@ def test_at_kvd_router_each_replica_s_curve_is_drawn_and_one_that_did_not_answer
     assert "exact up to 150 blocks; larger sizes estimated from 25.00% of the older blocks" in notes
     assert "the model slides a window of 4,096 tokens" in notes
     assert rows[b + 1] == "no prompt admitted since kvd started: nothing to draw yet"
+    flat = {"replica": "e", "hit_curve": curve(2, [500, 500, 500, 505]), "bytes_per_block": 1024}
+    console = Console(width=200, record=True)
+    console.print(render_hit_curves({"replica_status": [flat]}))
+    assert ("even 0.5x the device's blocks would serve within 1 point of a cache that never evicts: the misses "
+            "are blocks used for the first time") in " ".join(console.export_text().split())
     assert rows[c + 1] == "no answer: connection refused"
     assert rows[d + 1] == "this kvd reports no hit curve (it is older than kvctl hit-curve)"
     assert curves_of(fleet)["replicas"][2] == {"replica": "c", "hit_curve": None, "error": "connection refused"}
