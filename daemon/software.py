@@ -30,8 +30,6 @@ def software_versions() -> dict[str, str | None]:
     """{"kvd", "python", "torch", "cuda", "triton", "tokenizers", "llguidance"}: versions as
     strings, None for a library not installed (cuda: the CUDA torch was built for, None on a CPU
     build). Read once a process: what is imported does not change under it."""
-    from kvctl import __version__
-
     try:
         import torch
 
@@ -39,5 +37,12 @@ def software_versions() -> dict[str, str | None]:
         built = {"torch": torch.__version__, "cuda": torch.version.cuda}
     except ImportError:
         built = {"torch": None, "cuda": None}
-    return {"kvd": __version__, "python": platform.python_version(), **built,
-            **{name: _installed(name) for name in LIBRARIES}}
+    return {**router_versions(), **built, **{name: _installed(name) for name in LIBRARIES}}
+
+
+def router_versions() -> dict[str, str]:
+    """{"kvd", "python"}: what kvd router runs (it imports neither torch nor a kernel library, and
+    its answers do not depend on them; naming torch's would cost it the import)."""
+    from kvctl import __version__
+
+    return {"kvd": __version__, "python": platform.python_version()}

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from .client import LOCK_HOLDERS, STORE_WRITE_WAIT_S
 from .gc_status import gc_line
-from .software_status import difference_line
+from .software_status import difference_line, router_version_line
 from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
 from .tables import compact_table, duration, fit_cells, keep_whole, seconds, size, when
@@ -262,6 +262,9 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
                            + reservation_text({**reserved, "policy": " and ".join(sorted(reserved["policies"]))})))
     # where the answering replicas differ in software, weights or formats (an older router does not say)
     differences = [difference_line(d) for d in data.get("differences") or ()]
+    behind = router_version_line(data)  # the router on another kvd than a replica
+    if behind is not None:
+        differences.append(behind)
     group = Group(table, *reasons, *differences, *troubles, *restarts, *gpus, *router, summary)
     if console is not None:  # wider than the terminal rather than a figure cut to "1,436…"
         needed = Measurement.get(console, console.options, table).minimum

@@ -36,7 +36,7 @@ from typing import Iterable, Sequence
 SPACE = 2 ** 64  # the top 64 bits of a chain key
 TIMES = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)  # the sizes kvd reports, as multiples of its device's blocks
 EXACT_KEYS = 32_768  # the most recent keys, all kept: sizes up to this many blocks are exact
-SAMPLED_KEYS = 16_384  # older keys kept at most, sampled (about 12 MiB in all)
+SAMPLED_KEYS = 16_384  # older keys kept at most, sampled (about 15 MiB in all)
 
 
 def sizes_for(device_blocks: int, times: Sequence[float] = TIMES) -> list[tuple[str, int | None]]:

@@ -36,6 +36,7 @@
     kvd_router_reply_ids_dropped_total            events view: replies it let go of for room
     kvd_router_decision_seconds                   histogram: time to choose a replica (OpenMetrics scrapes:
                                                   exemplars naming the route's span, where spans are sent)
+    kvd_router_build_info{version,python}         1, labelled with the router's kvd and Python versions
     kvd_gc_pause_seconds{generation}              histogram: how long each of Python's garbage collections
                                                   stopped the router (kvd router; gc_pauses.py)
     kvd_gc_frozen_objects                         objects frozen out of the collector's walks (gc_freeze)
@@ -45,6 +46,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvctl.daemon.software import router_versions
 
 from .cut_connections import CutConnections
 from .gc_pauses import metric_families as gc_metric_families
@@ -103,6 +106,11 @@ class _RouterCollector:
                                   "wait (queue_timeout) that no other replica was predicted to start in time: the "
                                   "caller got that 503", value=self.service.timeouts_not_rerouted)
         yield from gc_metric_families(self.service.gc_pauses)
+        software = router_versions()
+        build = GaugeMetricFamily("kvd_router_build_info", "1, labelled with the kvd and Python versions the router "
+                                  "runs", labels=["version", "python"])
+        build.add_metric([software["kvd"], software["python"]], 1)
+        yield build
         yield CounterMetricFamily("kvd_router_unrouted", "Requests the router gave up on with no replica taking "
                                   "them in: none could take them or be reached, or each one asked was stopping (503)",
                                   value=self.service.unrouted)

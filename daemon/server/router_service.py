@@ -34,6 +34,7 @@ from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX_SLACK_TOKENS, ReplicaFacts, Router,
                                    facts_from_answer, make_router, none_in_time)
 from kvctl.policies.unanswered import Unanswered
+from kvctl.daemon.software import router_versions
 
 from .fleet_admin import Answer, fan_out
 from .fleet_file import ROLES
@@ -898,7 +899,8 @@ class RouterService:
                                "feed_error": r.feed_error}
             return row
 
-        body = {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas],
+        body = {"routing": self.router.name, "view": self.view, "software": router_versions(),
+                "replicas": [one(r) for r in self.replicas],
                 "silent_give_up_seconds": self.silent_give_up_seconds,
                 "gc": self.gc_pauses.report(),
                 "tls": None if self.tls is None else self.tls.describe(time.time())}
