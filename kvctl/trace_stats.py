@@ -2,7 +2,7 @@
 
 Its shape (requests, span, arrival rate, prompt and output lengths, tenants), its reuse (the hit
 ratio of one cache that never forgets, and the tokens such a cache would hold: past that size a
-bigger cache gains nothing), how its requests open (distinct first blocks, those shared: system
+bigger cache gains nothing; and an LRU cache's at shares of that size, from one pass), how its requests open (distinct first blocks, those shared: system
 prompts), and, for a trace kvd saved, how kvd served it (its own cached-token ratio, queue and
 prefill times, and the rates `kvctl bench replay --rates-from-trace` would take). For a fleet's
 trace (kvd router's: each line names its replica), each replica's share and cached-token ratio,
@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 from typing import Sequence
 
 from kvctl.bench_figures import timing_figures
+from kvctl.daemon.cache.hit_curve import HitCurve
 from kvctl.daemon.replay.service_rates import measured_rates
 from kvctl.daemon.replay.simulator import max_hit_blocks
 from kvctl.daemon.replay.trace import TraceKeyer, TraceRequest
@@ -22,6 +23,27 @@ from kvctl.daemon.stats import percentile
 from kvctl.tables import seconds
 
 TOP_OPENINGS = 5  # the most shared openings listed
+SHARES = ((1, 64), (1, 16), (1, 4), (1, 2), (1, 1))  # the LRU caches sized, as shares of the working set
+
+
+def lru_hit_ratios(requests: Sequence[TraceRequest]) -> list[dict]:
+    """The hit ratio an LRU cache of each share of the working set would have, in one pass
+    (daemon/cache/hit_curve.py), at the trace's own ids (kvd's own blocks are finer, and the
+    ratios within a point or two: 32 times fewer blocks to follow)."""
+    block = requests[0].block_tokens
+    keyer = TraceKeyer(block)
+    keys = [keyer.keys(r) for r in requests]
+    outputs = [keyer.output_keys(r, index, keys[index]) for index, r in enumerate(requests)]
+    working_set = len({key for request_keys in (*keys, *outputs) for key in request_keys})
+    sizes = [("whole" if top == bottom else f"{top}/{bottom}", max(1, round(working_set * top / bottom)))
+             for top, bottom in SHARES]
+    curve = HitCurve(sizes)
+    for request, prompt_keys, output_keys in zip(requests, keys, outputs):
+        curve.look(prompt_keys[:max(request.input_length - 1, 0) // block], request.input_length)
+        curve.touch(reversed([*prompt_keys, *output_keys]))  # as kvd gives a finished sequence's blocks back
+    return [{"share": label, "tokens": blocks * block, "hit_ratio": hit * block / curve.prompt_tokens
+             if curve.prompt_tokens else 0.0}
+            for (label, blocks), hit in zip(sizes, curve.hit_blocks)]
 
 
 def opening(request: TraceRequest) -> tuple[str, int]:
@@ -57,6 +79,8 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
         # every block a cache that never forgets holds: prompts' and outputs' (kvd caches both)
         "working_set_tokens": (len(prompt_blocks) + len(output_blocks)) * block_size,
         "output_working_set_tokens": len(output_blocks) * block_size,
+        # an LRU cache of each share of the working set (at the trace's own ids)
+        "lru_hit_ratios": lru_hit_ratios(requests),
         "openings": len(openings),  # distinct first blocks (a tenant's own)
         "shared_openings": sum(1 for count in openings.values() if count > 1),
         "shared_opening_share": sum(count for count in openings.values() if count > 1) / len(requests),
@@ -140,7 +164,10 @@ def stats_lines(figures: dict) -> list[tuple[str, str]]:
             ("working set", f"{figures['working_set_tokens']:,} tokens"
              + (f" ({figures['output_working_set_tokens']:,} of them outputs')"
                 if figures["output_working_set_tokens"] else "")
-             + ": a cache this size never forgets a block")]
+             + ": a cache this size never forgets a block"),
+            (f"hit, LRU cache by size ({figures['block_tokens']}-token ids)",
+             ", ".join(f"{row['share']} {row['hit_ratio']:.1%}" for row in figures["lru_hit_ratios"])
+             + " of the working set (1/4 is " + f"{figures['lru_hit_ratios'][2]['tokens']:,} tokens)")]
     top = figures["top_openings"]
     rows.append(("openings (first blocks)",
                  f"{figures['openings']:,} distinct; {figures['shared_openings']:,} shared by two requests or more, "

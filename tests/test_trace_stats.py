@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from kvctl.daemon.replay.trace import Served, TraceRequest, write_trace
-from kvctl.trace_stats import trace_stats
+from kvctl.trace_stats import stats_lines, trace_stats
 
 from .test_cli import cli
 
@@ -35,6 +35,12 @@ def test_a_trace_s_figures_worked_out_by_hand():
         # whole blocks of 16: 64 + 32 new + 37 (acme's) + 4 new, and of the outputs, written (the last token
         # never is), one of the second's (1,024 + 19) and one of the fourth's (1,100 + 4)
         "working_set_tokens": (64 + 32 + 37 + 4 + 2) * 16, "output_working_set_tokens": 2 * 16,
+        # LRU at the ids: 4 whole ids in the working set (1, 1-2, 1-3 and acme's 4; a prompt's last part-id
+        # is no block), caches of 1, 1, 1, 2 and 4 of them. The second's id 1 was used 0 ids before (held
+        # by 1); the fourth's id 1, 1 id before (acme's 4: held by 2), and its 1-2, 3 before (1, 1-3, 4)
+        "lru_hit_ratios": [{"share": share, "tokens": ids * 512, "hit_ratio": hit * 512 / 3748}
+                           for share, ids, hit in (("1/64", 1, 1), ("1/16", 1, 1), ("1/4", 1, 1), ("1/2", 2, 2),
+                                                   ("whole", 4, 3))],
         "openings": 2, "shared_openings": 1, "shared_opening_share": 0.75,
         "top_openings": [{"tenant": "default", "first_id": 1, "requests": 3, "share": 0.75}],
         "served": {"requests": 3, "cached_token_ratio": (512 + 1024) / (1024 + 1024 + 1100),
@@ -48,6 +54,8 @@ def test_a_trace_s_figures_worked_out_by_hand():
                    "decode_batch_cost": None, "decode_context_cost": None},  # each decoded alone: no line
         "fleet": None,  # no line names a replica: not a fleet's trace
     }
+    assert ("hit, LRU cache by size (512-token ids)", "1/64 13.7%, 1/16 13.7%, 1/4 13.7%, 1/2 27.3%, whole 41.0% of "
+            "the working set (1/4 is 512 tokens)") in stats_lines(figures)
     # at 512: the second's 1,024 tokens are two blocks, of which one can hit (its last token is computed)
     assert trace_stats(TRACE, block_size=512)["unbounded_hit_ratio"] == (512 + 1024) / 3748
 
