@@ -206,6 +206,9 @@ def serve(
                    "served or half the cache, whichever is less; 0: none)."),
     trace_requests: Optional[int] = typer.Option(
         None, help="Finished requests kept as trace lines for `kvctl trace save` (default 10000; 0: none)."),
+    hit_curve: Optional[bool] = typer.Option(
+        None, help="Follow each prompt block's reuse distance for `kvctl hit-curve`: what a cache of each size "
+                   "would have served (about 5 us a block on the engine thread; default on)."),
     trace_key_file: Optional[str] = typer.Option(
         None, help="A secret file (32 bytes or more) keying the trace's block ids; give a fleet's replicas one, "
                    "and kvd router saves the fleet's trace (default: a key drawn at start)."),
@@ -282,7 +285,7 @@ def serve(
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
                    max_tenant_metric_series=max_tenant_metric_series, max_tracked_tenants=max_tracked_tenants,
                    pin_budget_blocks=pin_budget_blocks, pin_room_tokens=pin_room_tokens,
-                   trace_requests=trace_requests, trace_key_file=trace_key_file,
+                   trace_requests=trace_requests, trace_key_file=trace_key_file, hit_curve=hit_curve,
                    trace_block_tokens=trace_block_tokens,
                    shutdown_timeout=shutdown_timeout, engine_stall_exit_seconds=engine_stall_exit_seconds,
                    model_name=model_name, remote_cache_bytes=remote_cache_bytes,
@@ -328,7 +331,7 @@ SERVE_HELP_PANELS = {
                                  "disk_compress", "remote_compress", "prefetch_policy", "prefetch_timeout",
                                  "prefetch_timeout_per_1k_tokens"),
     "Metrics and trace": ("metrics_aliases", "max_tenant_metric_series", "max_tracked_tenants", "trace_requests",
-                          "trace_key_file", "trace_block_tokens", "otlp_traces_endpoint"),
+                          "trace_key_file", "trace_block_tokens", "otlp_traces_endpoint", "hit_curve"),
 }
 
 

@@ -338,6 +338,9 @@ class KvdConfig:
     max_tracked_tenants: int = DEFAULT_TRACKED_TENANTS
     # finished requests kept as trace lines for `kvctl trace save` (daemon/server/request_trace.py); 0: none
     trace_requests: int = 10_000
+    # follow every prompt block's reuse distance for `kvctl hit-curve` (daemon/cache/hit_curve.py): about
+    # 5 us a block on the engine thread and 15 MiB; false leaves it out (a restart applies it)
+    hit_curve: bool = True
     # a file holding the secret that keys the trace's block ids (at least 32 bytes); the replicas of
     # a fleet given one file trace equal prompts alike, so kvd router can save the fleet's trace.
     # None: a key kvd draws at start
@@ -393,7 +396,7 @@ _PARSERS = {
     "trace_block_tokens": whole_number,
     "pin_budget_blocks": whole_number, "pin_room_tokens": whole_number, "shutdown_timeout": finite_number,
     "engine_stall_exit_seconds": finite_number,
-    "gc_freeze": on_or_off, "gc_warn_seconds": finite_number,
+    "gc_freeze": on_or_off, "gc_warn_seconds": finite_number, "hit_curve": on_or_off,
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
     "log_requests": on_or_off, "log_stats_interval": finite_number,
 

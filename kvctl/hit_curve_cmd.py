@@ -70,10 +70,15 @@ def render_hit_curve(status: dict):
     """One kvd's curve: a row per size, the device's own marked, then what the figures rest on."""
     curve = status.get("hit_curve")
     if curve is None:
-        return Text("this kvd reports no hit curve (it is older than kvctl hit-curve)")
+        return Text("this kvd follows no hit curve (hit_curve: false in its settings)" if "hit_curve" in status
+                    else "this kvd reports no hit curve (it is older than kvctl hit-curve)")
     if not curve["prompts"]:
         return Text("no prompt admitted since kvd started: nothing to draw yet")
     per_block, prompt_tokens = status.get("bytes_per_block"), curve["prompt_tokens"]
+    dtype = str((status.get("model") or {}).get("dtype", "the model's dtype")).removeprefix("torch.")
+    formats: dict[int, list[str]] = {}  # blocks -> the other cache formats holding that many in the same memory
+    for name, blocks in (curve.get("formats") or {}).items():  # (an older kvd does not say)
+        formats.setdefault(blocks, []).append(dtype if name == "auto" else name)
     table = compact_table("cache", "blocks", "bytes", "hit tokens", "hit ratio", "")
     never = curve["sizes"][-1]["hit_tokens"] / prompt_tokens
     enough = None  # the smallest size within NEAR of a cache that never evicts
@@ -82,7 +87,8 @@ def render_hit_curve(status: dict):
         if row["blocks"] is None:
             label, blocks, held = "never evicts", "-", "-"
         else:
-            label = f"{row['times']}x" + (" (device)" if row["times"] == "1" else "")
+            label = f"{row['times']}x" + (" (device)" if row["times"] == "1" else "") + (
+                f" ({', '.join(formats[row['blocks']])})" if row["blocks"] in formats else "")
             blocks, held = f"{row['blocks']:,}", "-" if per_block is None else size(row["blocks"] * per_block)
             if enough is None and never - ratio <= NEAR:
                 enough = row
@@ -102,6 +108,13 @@ def render_hit_curve(status: dict):
     elif enough is not None:
         notes.append(f"{enough['times']}x the device's blocks would serve within {NEAR * 100:g} point of a cache "
                      "that never evicts: more blocks than that buy little")
+    now = next((row for row in curve["sizes"] if row["times"] == "1"), None)
+    for row in curve["sizes"]:
+        if row["blocks"] in formats and now is not None and row["blocks"] > now["blocks"]:
+            names = formats[row["blocks"]]
+            notes.append(f"{' and '.join(names)} would hold {row['times']}x the blocks in the same memory: LRU "
+                         f"{row['hit_tokens'] / prompt_tokens:.1%} against {now['hit_tokens'] / prompt_tokens:.1%} "
+                         f"at these (kvctl calibrate, then cache_dtype: {names[0]})")
     if "hit" in tokens:
         notes.append(f"kvd served {tokens['hit'] / prompt_tokens:.1%} in fact ({tokens['hit']:,} tokens), under "
                      f"{status.get('eviction_policy', 'its')} eviction, its pins, the blocks running requests hold "

@@ -151,6 +151,9 @@ def test_sizes_are_multiples_of_the_device_blocks_then_unbounded():
                                 ("4", 4_000), ("8", 8_000), ("16", 16_000), ("32", 32_000), ("64", 64_000),
                                 ("inf", None)]
     assert sizes_for(4, times=(0.125, 1))[0] == ("0.125", 1)  # at least a block
+    # block counts of other cache formats: their own sizes where no multiple is, ascending
+    assert sizes_for(1_000, times=(0.5, 1, 2), extra=[1_940, 2_000, 333]) == [
+        ("0.333", 333), ("0.5", 500), ("1", 1_000), ("1.94", 1_940), ("2", 2_000), ("inf", None)]
 
 
 def test_bad_sizes_and_sample_bounds_are_refused_by_name():

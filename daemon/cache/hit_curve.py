@@ -39,10 +39,15 @@ EXACT_KEYS = 32_768  # the most recent keys, all kept: sizes up to this many blo
 SAMPLED_KEYS = 16_384  # older keys kept at most, sampled (about 15 MiB in all)
 
 
-def sizes_for(device_blocks: int, times: Sequence[float] = TIMES) -> list[tuple[str, int | None]]:
-    """(label, blocks) for each multiple of `device_blocks` (at least one block), then ("inf", None):
-    a cache that never evicts, whose misses are only blocks seen for the first time."""
-    return [(f"{t:g}", max(1, round(device_blocks * t))) for t in times] + [("inf", None)]
+def sizes_for(device_blocks: int, times: Sequence[float] = TIMES,
+              extra: Iterable[int] = ()) -> list[tuple[str, int | None]]:
+    """(label, blocks) for each multiple of `device_blocks` (at least one block) and each of `extra`
+    block counts not among them (labelled with their multiple, to 3 digits), ascending, then
+    ("inf", None): a cache that never evicts, whose misses are only blocks seen for the first time."""
+    sizes = {max(1, round(device_blocks * t)): f"{t:g}" for t in times}
+    for blocks in extra:
+        sizes.setdefault(blocks, f"{blocks / device_blocks:.3g}")
+    return [(label, blocks) for blocks, label in sorted(sizes.items())] + [("inf", None)]
 
 
 class _Marks:

@@ -116,6 +116,7 @@ class EngineSettings:
     # a model whose every layer slides a window: give back each sequence's blocks before its window
     # (False keeps them all, as for full attention: `kvctl bench window`'s baseline)
     release_window_blocks: bool = True
+    hit_curve: bool = True  # follow reuse distances for what other cache sizes would have served (hit_curve.py)
 
 
 def prefetch_wait(settings: EngineSettings) -> PrefetchWait:
@@ -194,7 +195,10 @@ class Engine:
                                     if loaded.config.every_layer_slides and settings.release_window_blocks else None,
                                     step_tokens=settings.max_batch_tokens)
         self.cache.set_tenant_shares(settings.tenant_cache_shares)
-        self.cache.hit_curve = HitCurve(sizes_for(settings.num_blocks))  # what other sizes would have served
+        # the blocks each other cache format would hold in this cache's memory, for the hit curve's sizes
+        self.format_blocks = self._format_blocks()
+        if settings.hit_curve:  # what other sizes would have served
+            self.cache.hit_curve = HitCurve(sizes_for(settings.num_blocks, extra=self.format_blocks.values()))
         self.events = EventLog()  # every block indexed in or dropped from a tier, for routers and operators
         self.prefill_rate = RateMeter(rate=2000.0)  # prompt tokens per second, measured on prefill steps
         self.cache.pool.events = self.events
@@ -955,8 +959,9 @@ class Engine:
                 request.metrics.restored_tokens = restored  # part of its hits, as they are counted
                 self.stats.prompt_tokens += len(tokens)
                 self.stats.hit_tokens += admission.hit_tokens
-                self.cache.hit_curve.look(keys[:self.cache.cacheable_blocks(len(tokens))] if reuse else (),
-                                          len(tokens))
+                if self.cache.hit_curve is not None:
+                    self.cache.hit_curve.look(keys[:self.cache.cacheable_blocks(len(tokens))] if reuse else (),
+                                              len(tokens))
                 self.stats.restored_tokens += restored
                 by_tenant[PROMPT] += len(tokens)
                 by_tenant[HIT] += admission.hit_tokens
@@ -973,6 +978,20 @@ class Engine:
             if max_loras is not None and request.lora is not None:
                 loras.add(id(request.lora))
             upcoming.update(keys[admission.hit_blocks:len(tokens) // size])  # what it will compute
+
+    def _format_blocks(self) -> dict[str, int]:
+        """{format: blocks}: what the model's own dtype ("auto"), fp8_e4m3 and int8 would each hold in
+        the memory this cache's blocks take (layers kept unquantised stay so), but the format served."""
+        settings, size = self.settings, self.settings.block_size
+        memory = settings.num_blocks * self.cache.block_bytes
+        held = {}
+        for name in ("auto", "fp8_e4m3", "int8"):
+            if name != settings.cache_dtype:
+                per_block = self.model.cache_bytes_per_block(size, None if name == "auto" else cache_dtype(name),
+                                                             settings.keep_layers)
+                if memory // per_block != settings.num_blocks:
+                    held[name] = memory // per_block
+        return held
 
     def _admission_order(self) -> list[tuple[tuple, Sequence]]:
         """The waiting entries in the order an admission pass tries them: queue order, or under

@@ -197,7 +197,8 @@ class _EngineCollector:
                 stats = engine.stats
                 pool = engine.cache.pool
                 window_released = engine.cache.window_released
-                curve = engine.cache.hit_curve.figures(engine.cache.block_size)
+                curve = None if engine.cache.hit_curve is None else engine.cache.hit_curve.figures(
+                    engine.cache.block_size)
                 now = engine.clock()
                 ages = [now - s.request.metrics.arrival for s in engine.waiting()]
                 pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
@@ -261,7 +262,8 @@ class _EngineCollector:
         yield CounterMetricFamily("kvd_sliding_window_released_blocks", "Blocks sequences gave back as their "
                                   "sliding window passed them (they stay cached); 0 unless every layer slides one",
                                   value=window_released)
-        yield from hit_curve_families(curve)
+        if curve is not None:
+            yield from hit_curve_families(curve)
         asleep = self.service.asleep
         transfers = self.service.kv_transfers.snapshot()
         for name, text, label, values in TRANSFER_FAMILIES:

@@ -104,7 +104,9 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                        "recomputed": stats.recomputed_tokens, "restored": stats.restored_tokens,
                        "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
             # what an LRU cache of other sizes would have served of the same prompts (cache/hit_curve.py)
-            "hit_curve": {**cache.hit_curve.figures(cache.block_size), "device_blocks": cache.num_blocks},
+            "hit_curve": None if cache.hit_curve is None else {  # None: hit_curve false
+                **cache.hit_curve.figures(cache.block_size), "device_blocks": cache.num_blocks,
+                "formats": engine.format_blocks},  # the blocks each other cache format holds in the same memory
             "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions,
                           "tenant_share": cache.pool.share_evictions, "space": cache.pool.space_evictions,
                           "sleep": cache.pool.sleep_evictions},
