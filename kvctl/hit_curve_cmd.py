@@ -97,10 +97,17 @@ def render_hit_curve(status: dict):
     for column in table.columns[1:5]:
         column.justify = "right"
     fit_cells(table, 0, 1, 2, 3, 4)
-    tokens = status.get("tokens") or {}
-    lines = [f"{curve['prompts']:,} prompts, {prompt_tokens:,} tokens since kvd started (of them "
-             f"{curve['looked_tokens']:,} in full blocks a cache can serve); an LRU cache of each size would "
-             "have served:"]
+    heading = (f"{curve['prompts']:,} prompts, {prompt_tokens:,} tokens since kvd started (of them "
+               f"{curve['looked_tokens']:,} in full blocks a cache can serve); an LRU cache of each size would "
+               "have served:")
+    notes = _notes(status, curve, enough, formats)
+    return Group(Text(heading), table, *(Text(escape(note), style="dim") for note in notes))
+
+
+def _notes(status: dict, curve: dict, enough: dict | None, formats: dict[int, list[str]]) -> list[str]:
+    """What the table rests on, under it: where more blocks stop paying, what another cache format
+    would serve, what kvd served in fact, its tiers' room, and the curve's own limits."""
+    prompt_tokens, per_block, tokens = curve["prompt_tokens"], status.get("bytes_per_block"), status.get("tokens") or {}
     notes = []
     if enough is curve["sizes"][0]:
         notes.append(f"even {enough['times']}x the device's blocks would serve within {NEAR * 100:g} point of a "
@@ -132,4 +139,4 @@ def render_hit_curve(status: dict):
     if window:
         notes.append(f"the model slides a window of {window['tokens']:,} tokens: a hit needs only the blocks it "
                      "reaches, the curve counts whole prefixes")
-    return Group(Text(lines[0]), table, *(Text(escape(note), style="dim") for note in notes))
+    return notes

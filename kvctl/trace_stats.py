@@ -16,6 +16,7 @@ from typing import Sequence
 
 from kvctl.bench_figures import timing_figures
 from kvctl.daemon.cache.hit_curve import HitCurve
+from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.replay.service_rates import measured_rates
 from kvctl.daemon.replay.simulator import max_hit_blocks
 from kvctl.daemon.replay.trace import TraceKeyer, TraceRequest
@@ -26,14 +27,17 @@ TOP_OPENINGS = 5  # the most shared openings listed
 SHARES = ((1, 64), (1, 16), (1, 4), (1, 2), (1, 1))  # the LRU caches sized, as shares of the working set
 
 
-def lru_hit_ratios(requests: Sequence[TraceRequest]) -> list[dict]:
+def lru_hit_ratios(requests: Sequence[TraceRequest], keys: Sequence[Sequence[BlockKey]] | None = None,
+                   outputs: Sequence[Sequence[BlockKey]] | None = None) -> list[dict]:
     """The hit ratio an LRU cache of each share of the working set would have, in one pass
     (daemon/cache/hit_curve.py), at the trace's own ids (kvd's own blocks are finer, and the
-    ratios within a point or two: 32 times fewer blocks to follow)."""
+    ratios within a point or two: 32 times fewer blocks to follow). `keys` and `outputs`: the
+    requests' keys at the ids' size, where the caller has them."""
     block = requests[0].block_tokens
-    keyer = TraceKeyer(block)
-    keys = [keyer.keys(r) for r in requests]
-    outputs = [keyer.output_keys(r, index, keys[index]) for index, r in enumerate(requests)]
+    if keys is None or outputs is None:
+        keyer = TraceKeyer(block)
+        keys = [keyer.keys(r) for r in requests]
+        outputs = [keyer.output_keys(r, index, keys[index]) for index, r in enumerate(requests)]
     working_set = len({key for request_keys in (*keys, *outputs) for key in request_keys})
     sizes = [("whole" if top == bottom else f"{top}/{bottom}", max(1, round(working_set * top / bottom)))
              for top, bottom in SHARES]
@@ -80,7 +84,8 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
         "working_set_tokens": (len(prompt_blocks) + len(output_blocks)) * block_size,
         "output_working_set_tokens": len(output_blocks) * block_size,
         # an LRU cache of each share of the working set (at the trace's own ids)
-        "lru_hit_ratios": lru_hit_ratios(requests),
+        "lru_hit_ratios": lru_hit_ratios(requests, *((keys, outputs) if block_size == requests[0].block_tokens
+                                                     else ())),
         "openings": len(openings),  # distinct first blocks (a tenant's own)
         "shared_openings": sum(1 for count in openings.values() if count > 1),
         "shared_opening_share": sum(count for count in openings.values() if count > 1) / len(requests),
