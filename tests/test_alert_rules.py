@@ -498,7 +498,9 @@ def test_the_fleet_rules_fire_while_kvds_of_one_job_run_other_builds_or_serve_a_
 
 def test_the_cache_size_rule_fires_where_twice_the_cache_would_serve_a_tenth_more(tmp_path):
     """Prompts that a cache of 64 blocks serves as well as one of 128: quiet. 10,000 more prompt tokens
-    of which a cache twice the size would serve 1,500 more than the device's: KvdCacheTooSmall."""
+    of which a cache twice the size would serve 1,500 more than kvd served: KvdCacheTooSmall. Where
+    kvd's tiers served them (its hits as LRU's at twice the blocks): quiet again. Where kvd served
+    fewer than LRU on its own blocks (evicted by hand): measured from LRU's."""
     service = start_service(tmp_path, num_blocks=64)
     try:
         app = create_app(service, service.metrics, front="unix")
@@ -516,8 +518,16 @@ def test_the_cache_size_rule_fires_where_twice_the_cache_would_serve_a_tenth_mor
             labels: value + 10_000 for labels, value in now["kvd_hit_curve_prompt_tokens_total"].items()}}
         small["kvd_hit_curve_hit_tokens_total"] = {
             labels: value + {"1": 4_000, "2": 5_500}.get(dict(labels)["times"], 6_000) for labels, value in hits.items()}
+        small["kvd_prefix_hit_tokens_total"] = {
+            labels: value + 4_000 for labels, value in now["kvd_prefix_hit_tokens_total"].items()}
         [(labels, gain)] = fired(Scrapes(now, small))["KvdCacheTooSmall"].items()
         assert labels == (("instance", KVD["instance"]),) and gain == pytest.approx(0.15)
+        tiered = {**small, "kvd_prefix_hit_tokens_total": {  # a host tier serves what twice the blocks would
+            labels: value + 5_500 for labels, value in now["kvd_prefix_hit_tokens_total"].items()}}
+        assert fired(Scrapes(now, tiered)) == {}
+        evicted = {**small, "kvd_prefix_hit_tokens_total": now["kvd_prefix_hit_tokens_total"]}  # none served
+        [(_, gain)] = fired(Scrapes(now, evicted))["KvdCacheTooSmall"].items()
+        assert gain == pytest.approx(0.15)  # 5,500 against LRU's 4,000 on the device's blocks, not against 0
         assert fired(Scrapes(now, now)) == {}  # no prompt in the range: no ratio, no alert
     finally:
         service.shutdown(deadline=2)
