@@ -2,9 +2,10 @@
 
 Its shape (requests, span, arrival rate, prompt and output lengths, tenants), its reuse (the hit
 ratio of one cache that never forgets, and the tokens such a cache would hold: past that size a
-bigger cache gains nothing; and an LRU cache's at shares of that size, from one pass), how its requests open (distinct first blocks, those shared: system
-prompts), and, for a trace kvd saved, how kvd served it (its own cached-token ratio, queue and
-prefill times, and the rates `kvctl bench replay --rates-from-trace` would take). For a fleet's
+bigger cache gains nothing; and an LRU cache's at shares of that size, from one pass), how its
+requests open (distinct first blocks, those shared: system prompts), and, for a trace kvd saved,
+how kvd served it (its own cached-token ratio, queue and prefill times, and the rates `kvctl bench
+replay --rates-from-trace` would take). For a fleet's
 trace (kvd router's: each line names its replica), each replica's share and cached-token ratio,
 and how many shared openings the live router served on more than one replica.
 """

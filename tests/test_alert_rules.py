@@ -516,8 +516,9 @@ def test_the_cache_size_rule_fires_where_twice_the_cache_would_serve_a_tenth_mor
         assert fired(Scrapes(before, now)) == {}
         small = {**now, "kvd_hit_curve_prompt_tokens_total": {
             labels: value + 10_000 for labels, value in now["kvd_hit_curve_prompt_tokens_total"].items()}}
+        more = {"1": 4_000, "2": 5_500}  # the device's size and twice it; every larger size 6,000
         small["kvd_hit_curve_hit_tokens_total"] = {
-            labels: value + {"1": 4_000, "2": 5_500}.get(dict(labels)["times"], 6_000) for labels, value in hits.items()}
+            labels: value + more.get(dict(labels)["times"], 6_000) for labels, value in hits.items()}
         small["kvd_prefix_hit_tokens_total"] = {
             labels: value + 4_000 for labels, value in now["kvd_prefix_hit_tokens_total"].items()}
         [(labels, gain)] = fired(Scrapes(now, small))["KvdCacheTooSmall"].items()
