@@ -4,12 +4,15 @@ this draws it, one table per replica at kvd router."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 from rich.console import Group
 from rich.markup import escape
 from rich.text import Text
 
 from .command_kit import client_for, show_or_watch
+from .errors import UserError
 from .fleet_status import is_fleet
 from .tables import compact_table, fit_cells, size
 
@@ -17,7 +20,15 @@ BAR = 20  # the widest bar, at a hit ratio of 100%
 NEAR = 0.01  # a size within this of the never-evicting cache's hit ratio is where more blocks stop paying
 
 
-def hit_curve(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
+def hit_curve(ctx: typer.Context,
+              tenant: Optional[str] = typer.Option(
+                  None, "--tenant", help="One tenant's part of the curve: what the same cache of each size, "
+                  "shared by every tenant, would have served its prompts."),
+              tenants: bool = typer.Option(False, "--tenants", help="A row per tenant: what kvd served it, and what "
+                                           "LRU at a few sizes would have."),
+              top: int = typer.Option(20, "--top", min=0, help="With --tenants: the N tenants with the most "
+                                      "prompt tokens (0: every one). --json lists every one."),
+              watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
               as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """What a prefix cache of each size would have served of this kvd's prompts: hit ratio by size.
 
@@ -29,9 +40,24 @@ def hit_curve(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", h
     little. Exact up to 32,768 blocks; larger sizes are estimated from a sample of the older blocks.
     Counts only, never prompts. At kvd router, each replica's.
 
-    Example: kvctl hit-curve --watch
+    By tenant (`--tenants`, `--tenant T`), each block counts for the tenant whose prompt looked it
+    up: who would gain from more blocks, and whom kvd's shares, priorities and pins served under
+    plain LRU. At kvd router, the replicas' figures summed.
+
+    Example: kvctl hit-curve --watch; kvctl hit-curve --tenants
     """
     client = client_for(ctx)
+    if tenant is not None and tenants:
+        raise UserError("give --tenant or --tenants, not both")
+    from .hit_curve_tenants import render_tenant_curve, render_tenant_curves, tenant_json, tenants_json
+    if tenant is not None:
+        show_or_watch(lambda: client.get("/admin/tenants"), lambda body: render_tenant_curve(body, tenant), watch,
+                      as_json, for_json=lambda body: tenant_json(body, tenant))
+        return
+    if tenants:
+        show_or_watch(lambda: client.get("/admin/tenants"), lambda body: render_tenant_curves(body, top), watch,
+                      as_json, for_json=tenants_json)
+        return
     show_or_watch(lambda: client.get("/admin/status"), render_hit_curves, watch, as_json, for_json=curves_of)
 
 
@@ -80,8 +106,8 @@ def render_hit_curve(status: dict):
     for name, blocks in (curve.get("formats") or {}).items():  # (an older kvd does not say)
         formats.setdefault(blocks, []).append(dtype if name == "auto" else name)
     table = compact_table("cache", "blocks", "bytes", "hit tokens", "hit ratio", "")
-    never = curve["sizes"][-1]["hit_tokens"] / prompt_tokens
-    enough = None  # the smallest size within NEAR of a cache that never evicts
+    enough = smallest_enough(curve["sizes"], {row["times"]: row["hit_tokens"] for row in curve["sizes"]},
+                             prompt_tokens)
     for row in curve["sizes"]:
         ratio = row["hit_tokens"] / prompt_tokens
         if row["blocks"] is None:
@@ -90,8 +116,6 @@ def render_hit_curve(status: dict):
             label = f"{row['times']}x" + (" (device)" if row["times"] == "1" else "") + (
                 f" ({', '.join(formats[row['blocks']])})" if row["blocks"] in formats else "")
             blocks, held = f"{row['blocks']:,}", "-" if per_block is None else size(row["blocks"] * per_block)
-            if enough is None and never - ratio <= NEAR:
-                enough = row
         table.add_row(label, blocks, held, f"{row['hit_tokens']:,}", f"{ratio:.1%}",
                       "█" * round(ratio * BAR), style="bold" if row["times"] == "1" else None)
     for column in table.columns[1:5]:
@@ -108,13 +132,7 @@ def _notes(status: dict, curve: dict, enough: dict | None, formats: dict[int, li
     """What the table rests on, under it: where more blocks stop paying, what another cache format
     would serve, what kvd served in fact, its tiers' room, and the curve's own limits."""
     prompt_tokens, per_block, tokens = curve["prompt_tokens"], status.get("bytes_per_block"), status.get("tokens") or {}
-    notes = []
-    if enough is curve["sizes"][0]:
-        notes.append(f"even {enough['times']}x the device's blocks would serve within {NEAR * 100:g} point of a "
-                     "cache that never evicts: the misses are blocks used for the first time")
-    elif enough is not None:
-        notes.append(f"{enough['times']}x the device's blocks would serve within {NEAR * 100:g} point of a cache "
-                     "that never evicts: more blocks than that buy little")
+    notes = where_it_flattens(enough, curve["sizes"][0])
     now = next((row for row in curve["sizes"] if row["times"] == "1"), None)
     for row in curve["sizes"]:
         if row["blocks"] in formats and now is not None and row["blocks"] > now["blocks"]:
@@ -140,3 +158,24 @@ def _notes(status: dict, curve: dict, enough: dict | None, formats: dict[int, li
         notes.append(f"the model slides a window of {window['tokens']:,} tokens: a hit needs only the blocks it "
                      "reaches, the curve counts whole prefixes")
     return notes
+
+
+def smallest_enough(sizes: list[dict], hit_tokens: dict[str, int], prompt_tokens: int) -> dict | None:
+    """The smallest size (a row of `sizes`) whose hit tokens are within NEAR of a cache that never
+    evicts (None: none is, or no prompt)."""
+    if not prompt_tokens:
+        return None
+    never = hit_tokens[sizes[-1]["times"]] / prompt_tokens
+    return next((row for row in sizes if row["blocks"] is not None
+                 and never - hit_tokens[row["times"]] / prompt_tokens <= NEAR), None)
+
+
+def where_it_flattens(enough: dict | None, first: dict, blocks: str = "the device's blocks") -> list[str]:
+    """The note that says from which size more blocks buy little (none where no size is near)."""
+    if enough is first:
+        return [f"even {enough['times']}x {blocks} would serve within {NEAR * 100:g} point of a cache that never "
+                "evicts: the misses are blocks used for the first time"]
+    if enough is not None:
+        return [f"{enough['times']}x {blocks} would serve within {NEAR * 100:g} point of a cache that never evicts: "
+                "more blocks than that buy little"]
+    return []

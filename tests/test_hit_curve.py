@@ -163,3 +163,53 @@ def test_bad_sizes_and_sample_bounds_are_refused_by_name():
         HitCurve([("a", 4)], exact_keys=0)
     with pytest.raises(ValueError, match="sampled_keys: must be a whole number of at least 1, got 2.5"):
         HitCurve([("a", 4)], sampled_keys=2.5)
+
+
+def test_each_tenant_s_part_of_the_curve_adds_up_to_the_whole():
+    """Each block counts for the tenant whose prompt looked it up, at the size the shared LRU
+    cache would have held it: the tenants' figures sum to the curve's at every size."""
+    sizes = [("1", 1), ("2", 2), ("5", 5), ("13", 13), ("inf", None)]
+    curve = HitCurve(sizes, exact_keys=10_000, tenants=10)
+    caches = {tenant: [LruPrefixCache(blocks) for _, blocks in sizes] for tenant in ("acme", "globex")}
+    shared = [LruPrefixCache(blocks) for _, blocks in sizes]
+    rng = random.Random(5)
+    tokens = {"acme": 0, "globex": 0}
+    for prompt, reply in chains(rng, 300):
+        tenant = rng.choice(("acme", "globex"))
+        curve.look(prompt, 16 * len(prompt) + 3, tenant)
+        curve.touch(reply)
+        tokens[tenant] += 16 * len(prompt) + 3
+        for own, cache in zip(caches[tenant], shared):  # the shared cache's hits for this tenant's prompt
+            before = cache.hits
+            cache.look(prompt)
+            cache.touch(reply)
+            own.hits += cache.hits - before
+    figures = curve.tenant_figures(block_size=16)
+    for tenant in ("acme", "globex"):
+        mine = figures["tenants"][tenant]
+        assert mine["hit_tokens"] == {label: 16 * cache.hits for (label, _), cache in zip(sizes, caches[tenant])}
+        assert mine["prompt_tokens"] == tokens[tenant]
+    whole = curve.figures(block_size=16)
+    assert [sum(figures["tenants"][t]["hit_tokens"][row["times"]] for t in tokens) for row in whole["sizes"]] \
+        == [row["hit_tokens"] for row in whole["sizes"]]
+    assert sum(figures["tenants"][t]["prompts"] for t in tokens) == 300
+    assert sum(figures["tenants"][t]["looked_tokens"] for t in tokens) == whole["looked_tokens"]
+    assert figures["retired"]["prompts"] == 0 and figures["retired"]["tenants"] == 0
+
+
+def test_the_least_recently_active_tenant_is_retired_into_one_sum_and_none_is_followed_without_a_book():
+    a, b = key("a"), key("b")
+    curve = HitCurve([("4", 4), ("inf", None)], tenants=1)
+    curve.look([a], 20, "acme")
+    curve.look([a], 20, "acme")  # a hit at every size
+    curve.look([b], 16, "globex")  # acme is retired
+    figures = curve.tenant_figures(block_size=16)
+    assert figures["tenants"] == {"globex": {"prompts": 1, "prompt_tokens": 16, "looked_tokens": 16,
+                                             "hit_tokens": {"4": 0, "inf": 0}}}
+    assert figures["retired"] == {"tenants": 1, "prompts": 2, "prompt_tokens": 40, "looked_tokens": 32,
+                                  "hit_tokens": {"4": 16, "inf": 16}}
+    curve.look([a], 20)  # a prompt without a tenant counts in the whole only
+    assert curve.tenant_figures(16)["tenants"]["globex"]["prompts"] == 1 and curve.prompts == 4
+    plain = HitCurve([("4", 4), ("inf", None)])
+    plain.look([a], 20, "acme")
+    assert plain.tenant_figures(16) is None and plain.hit_blocks == [0, 0]

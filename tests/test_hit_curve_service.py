@@ -165,3 +165,192 @@ def test_a_cache_format_off_the_multiples_is_a_size_of_its_own(tmp_path):
     curve = engine.cache.hit_curve
     assert (f"{blocks / 64:.3g}", blocks) in list(zip(curve.labels, curve.sizes))
     assert curve.sizes == sorted(curve.sizes)
+
+
+def ask(app, ids, tenant) -> None:
+    answer = call(app, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant},
+                  json={"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert answer.status_code == 200, answer.text
+
+
+def test_each_tenant_s_part_of_the_curve_in_admin_tenants_and_kvctl_hit_curve(tmp_path, capsys):
+    from .test_cli import cli
+    from .test_health_checks import served_on
+
+    service = start_service(tmp_path, num_blocks=64, max_tracked_tenants=3, max_tenant_metric_series=1)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        prompts = {name: [first] + [7] * 70 for name, first in (("a", 11), ("b", 12), ("c", 13))}  # 4 full blocks
+        for name, tenant in (("a", "acme"), ("b", "globex"), ("c", "globex"), ("a", "acme")):
+            ask(app, prompts[name], tenant)
+        body = call(app, "GET", "/admin/tenants").json()
+        assert body["hit_curve"]["sizes"][:2] == [{"times": "0.125", "blocks": 8}, {"times": "0.25", "blocks": 16}]
+        assert body["hit_curve"]["retired"]["tenants"] == 0 and body["hit_curve"]["retired"]["prompt_tokens"] == 0
+        rows = {row["tenant"]: row for row in body["tenants"]}
+        acme, globex = rows["acme"]["hit_curve"], rows["globex"]["hit_curve"]
+        # acme's second turn: its root was last used 8 blocks before (globex's two prompts)
+        assert (acme["prompts"], acme["prompt_tokens"], acme["looked_tokens"]) == (2, 142, 128)
+        assert (acme["hit_tokens"]["0.125"], acme["hit_tokens"]["0.25"], acme["hit_tokens"]["inf"]) == (0, 64, 64)
+        assert set(globex["hit_tokens"].values()) == {0} and globex["prompts"] == 2
+        sizes = call(app, "GET", "/admin/status").json()["hit_curve"]["sizes"]
+        whole = {row["times"]: row["hit_tokens"] for row in sizes}
+        assert {t: acme["hit_tokens"][t] + globex["hit_tokens"][t] for t in whole} == whole
+        with served_on(app, str(tmp_path / "served.sock")) as path:
+            status, out, err = cli(capsys, "--socket", path, "hit-curve", "--tenants")
+            assert status == 0, err
+            lines = [" ".join(line.split()) for line in out.splitlines()]
+            assert "tenant prompt tokens kvd served LRU 0.5x LRU 1x LRU 2x LRU 4x never evicts" in lines
+            assert lines.index("acme 142 45.1% 45.1% 45.1% 45.1% 45.1% 45.1%") \
+                < lines.index("globex 142 0.0% 0.0% 0.0% 0.0% 0.0% 0.0%")  # (as many tokens: by name)
+            assert "twice the blocks" not in out and "under plain LRU" not in out  # no gain, no tenant served under
+            status, out, err = cli(capsys, "--socket", path, "hit-curve", "--tenant", "acme")
+            lines = [" ".join(line.split()) for line in out.splitlines()]
+            assert status == 0, err
+            text = " ".join(lines)
+            assert text.startswith("2 prompts of 'acme', 142 tokens (of them 128 in full blocks a cache can serve); "
+                                   "one LRU cache of each size, shared by every tenant as kvd's is, would have "
+                                   "served it:")
+            assert "0.125x 8 0 0.0%" in lines and "1x (device) 64 64 45.1% █████████" in lines
+            assert "never evicts - 64 45.1% █████████" in lines
+            assert "0.25x the device's blocks would serve within 1 point of a cache that never evicts" in text
+            assert "kvd served 'acme' 45.1% in fact (64 of 142 tokens)" in text
+            status, out, _ = cli(capsys, "--socket", path, "hit-curve", "--tenant", "acme", "--json")
+            answer = json.loads(out)
+            assert status == 0 and answer["tenant"] == "acme" and answer["hit_curve"] == acme
+            assert (answer["prompt_tokens"], answer["hit_tokens"]) == (142, 64) and len(answer["sizes"]) == 11
+            status, out, _ = cli(capsys, "--socket", path, "hit-curve", "--tenants", "--json")
+            answer = json.loads(out)
+            assert [row["tenant"] for row in answer["tenants"]] == ["acme", "globex"]
+            assert answer["tenants"][1]["hit_curve"] == globex and answer["retired"]["tenants"] == 0
+            status, _, err = cli(capsys, "--socket", path, "hit-curve", "--tenant", "initech")
+            assert status != 0
+            assert ("tenant: kvd lists no 'initech' among its 2 tenants (those active most recently, and those "
+                    "holding blocks, pins or requests: kvctl hit-curve --tenants)") in " ".join(err.split())
+            status, _, err = cli(capsys, "--socket", path, "hit-curve", "--tenant", "acme", "--tenants")
+            assert status != 0 and "give --tenant or --tenants, not both" in err
+        # fewer tenants followed: globex, the least recently active, goes from the curve's book too
+        live = service.config
+        from dataclasses import replace
+        service.reload(replace(live, max_tracked_tenants=1))
+        body = call(app, "GET", "/admin/tenants").json()
+        rows = {row["tenant"]: row for row in body["tenants"]}
+        assert rows["globex"]["cached_blocks"] > 0  # listed for its blocks, with no figures of the curve's
+        assert rows["globex"]["hit_curve"]["prompts"] == 0
+        assert set(rows["globex"]["hit_curve"]["hit_tokens"]) == set(whole)
+        assert rows["acme"]["hit_curve"] == acme
+        assert body["hit_curve"]["retired"]["tenants"] == 1 and body["hit_curve"]["retired"]["prompt_tokens"] == 142
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_without_a_curve_tenants_have_none_and_kvctl_says_why(tmp_path, capsys):
+    from .test_cli import cli
+    from .test_health_checks import served_on
+
+    service = start_service(tmp_path, num_blocks=64, hit_curve="false")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        ask(app, [11] + [7] * 70, "acme")
+        body = call(app, "GET", "/admin/tenants").json()
+        assert body["hit_curve"] is None and body["tenants"][0]["hit_curve"] is None
+        with served_on(app, str(tmp_path / "served.sock")) as path:
+            for args in (("--tenants",), ("--tenant", "acme")):
+                status, _, err = cli(capsys, "--socket", path, "hit-curve", *args)
+                assert status != 0
+                assert ("hit curve by tenant: kvd follows none (hit_curve: false in its settings, or a kvd older "
+                        "than kvctl hit-curve --tenants)") in " ".join(err.split())
+    finally:
+        service.shutdown(deadline=2)
+
+
+def tenant(name, prompt, served, lru, prompts=3):
+    """A row of /admin/tenants: `served` of `prompt` tokens in fact; `lru` the curve's hit tokens at
+    0.5x, 1x, 2x, 4x and never evicting."""
+    return {"tenant": name, "prompt_tokens": prompt, "hit_tokens": served,
+            "hit_curve": {"prompts": prompts, "prompt_tokens": prompt, "looked_tokens": prompt,
+                          "hit_tokens": dict(zip(("0.5", "1", "2", "4", "inf"), lru))}}
+
+
+SIZES = [{"times": "0.5", "blocks": 50}, {"times": "1", "blocks": 100}, {"times": "2", "blocks": 200},
+         {"times": "4", "blocks": 400}, {"times": "inf", "blocks": None}]
+
+
+def test_the_tenant_table_names_who_twice_the_blocks_serves_most_and_whom_kvd_served_under_lru():
+    from rich.console import Console
+
+    from kvctl.hit_curve_tenants import render_tenant_curves
+
+    body = {"hit_curve": {"sizes": SIZES, "retired": {"tenants": 7, "prompts": 9, "prompt_tokens": 2_000,
+                                                      "looked_tokens": 1_900, "hit_tokens": {"1": 500}}},
+            "tenants": [tenant("acme", 1_000, 300, [100, 400, 900, 950, 960]),  # +500 at 2x; 10 points under LRU
+                        tenant("globex", 4_000, 2_000, [1_000, 2_000, 2_200, 2_300, 2_400]),  # +200 at 2x
+                        tenant("hooli", 500, 50, [0, 100, 100, 100, 100]),  # 10 points under LRU
+                        tenant("initech", 800, 0, [0] * 5),
+                        tenant("pinned-only", 0, 0, [0] * 5, prompts=0)]}  # listed for its pins: no row drawn
+    console = Console(width=100, record=True)
+    console.print(render_tenant_curves(body, top=3))
+    lines = [" ".join(line.split()) for line in console.export_text().splitlines()]
+    assert "tenant prompt tokens kvd served LRU 0.5x LRU 1x LRU 2x LRU 4x never evicts" in lines
+    rows = [line for line in lines if line.split(" ")[0] in ("acme", "globex", "hooli", "initech", "pinned-only")]
+    assert rows == ["globex 4,000 50.0% 25.0% 50.0% 55.0% 57.5% 60.0%",
+                    "acme 1,000 30.0% 10.0% 40.0% 90.0% 95.0% 96.0%",
+                    "initech 800 0.0% 0.0% 0.0% 0.0% 0.0% 0.0%"]
+    text = " ".join(lines)
+    assert "and 1 more tenant (--top 0 lists every one)" in text
+    assert ("7 tenants retired from the curve's book (max_tracked_tenants): 2,000 prompt tokens, LRU 1x 25.0%"
+            in text)
+    assert "twice the blocks would serve 'acme' the most more: 40.0% -> 90.0% (500 tokens more)" in text
+    assert ("kvd served under plain LRU over its blocks: 'acme' (-10.0 points), 'hooli' (-10.0 points): other "
+            "tenants' shares or priorities, pins, evictions by hand, or the blocks running requests hold") in text
+    console = Console(width=100, record=True)
+    console.print(render_tenant_curves(body, top=0))
+    assert "hooli 500 10.0% 0.0% 20.0% 20.0% 20.0% 20.0%" in [" ".join(line.split())
+                                                              for line in console.export_text().splitlines()]
+    console = Console(width=100, record=True)
+    console.print(render_tenant_curves({"hit_curve": {"sizes": SIZES, "retired": body["hit_curve"]["retired"]},
+                                        "tenants": [tenant("pinned-only", 0, 0, [0] * 5, prompts=0)]}, top=3))
+    assert console.export_text().strip() == "no tenant's prompt counted by the hit curve yet"
+
+
+def test_kvd_router_sums_each_tenant_s_curve_over_the_sizes_every_replica_has():
+    from rich.console import Console
+
+    from kvctl.daemon.server.fleet_admin import merge_tenant_lists
+    from kvctl.hit_curve_tenants import render_tenant_curve
+
+    def replica(rows, sizes, retired_tenants):
+        return 200, {"tenants": rows, "blocks": 100, "hit_curve": {
+            "sizes": sizes, "retired": {"tenants": retired_tenants, "prompts": 1, "prompt_tokens": 10,
+                                        "looked_tokens": 8, "hit_tokens": {s["times"]: 4 for s in sizes}}}}
+
+    with_format = SIZES[:3] + [{"times": "3.9", "blocks": 390}] + SIZES[3:]  # int8 with a layer kept: one replica
+    status, body = merge_tenant_lists(["r0", "r1", "r2", "r3"], [
+        replica([tenant("acme", 1_000, 300, [100, 400, 900, 950, 960])], SIZES, 2),
+        replica([{**tenant("acme", 500, 100, [0, 100, 200, 200, 250]),
+                  "hit_curve": {**tenant("acme", 500, 100, [0, 100, 200, 200, 250])["hit_curve"],
+                                "hit_tokens": {"0.5": 0, "1": 100, "2": 200, "3.9": 200, "4": 200, "inf": 250}}}],
+                with_format, 1),
+        (200, {"tenants": [{"tenant": "acme", "prompt_tokens": 7, "hit_tokens": 7}], "blocks": 100}),  # older kvd
+        (None, {"error": "connection refused"})])
+    assert status == 200
+    assert body["hit_curve"]["sizes"] == [{"times": "0.5", "blocks": 100}, {"times": "1", "blocks": 200},
+                                          {"times": "2", "blocks": 400}, {"times": "4", "blocks": 800},
+                                          {"times": "inf", "blocks": None}]
+    assert body["hit_curve"]["retired"] == {"tenants": 3, "prompts": 2, "prompt_tokens": 20, "looked_tokens": 16,
+                                            "hit_tokens": {"0.5": 8, "1": 8, "2": 8, "3.9": 4, "4": 8, "inf": 8}}
+    (acme,) = body["tenants"]
+    assert acme["prompt_tokens"] == 1_507 and acme["hit_tokens"] == 407
+    assert acme["hit_curve"] == {"prompts": 6, "prompt_tokens": 1_500, "looked_tokens": 1_500,
+                                 "hit_tokens": {"0.5": 100, "1": 500, "2": 1_100, "3.9": 200, "4": 1_150,
+                                                "inf": 1_210}}
+    console = Console(width=100, record=True)
+    console.print(render_tenant_curve(body, "acme"))
+    lines = [" ".join(line.split()) for line in console.export_text().splitlines()]
+    assert "shared by every tenant as kvd's is (at each replica, their blocks summed), would have served it:" \
+        in " ".join(lines)
+    assert "2x 400 1,100 73.3% ███████████████" in lines
+    assert not any(line.startswith("3.9x") for line in lines)
+    assert "kvd served 'acme' 27.0% in fact (407 of 1,507 tokens)" in " ".join(lines)
+    _, none = merge_tenant_lists(["r0"], [(200, {"tenants": [{"tenant": "acme", "prompt_tokens": 1, "hit_tokens": 0}],
+                                                 "blocks": 8})])
+    assert none["hit_curve"] is None and none["tenants"][0]["hit_curve"] is None

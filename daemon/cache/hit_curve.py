@@ -22,6 +22,12 @@ key and those above it are let go). A use of a key from outside the recent ones 
 and 1/rate for each sampled key used since. What the model leaves out: pins (always held),
 running sequences' blocks (held until they finish), another eviction policy than LRU, and a
 sliding window (a hit needs only the window's blocks).
+
+Per tenant (`tenants`: how many are followed, the most recently active; daemon/engine/tenant_book.py
+retires the others into one sum), the same curve split by whose prompt looked the blocks up: what
+the one shared LRU cache of each size would have served each tenant. Read beside what kvd served
+the tenant in fact, it says who gains from more blocks, and what shares and priorities cost or give
+each tenant against plain LRU.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import itertools
 import math
 from collections import OrderedDict
 from typing import Iterable, Sequence
+
+from kvctl.daemon.engine.tenant_book import TenantBook
 
 SPACE = 2 ** 64  # the top 64 bits of a chain key
 TIMES = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)  # the sizes kvd reports, as multiples of its device's blocks
@@ -96,7 +104,7 @@ class HitCurve:
     """Estimated hit blocks of an LRU cache at each of `sizes` (blocks; None: unbounded)."""
 
     def __init__(self, sizes: Sequence[tuple[str, int | None]], exact_keys: int = EXACT_KEYS,
-                 sampled_keys: int = SAMPLED_KEYS) -> None:
+                 sampled_keys: int = SAMPLED_KEYS, tenants: int | None = None) -> None:
         for name, value in (("exact_keys", exact_keys), ("sampled_keys", sampled_keys)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a whole number of at least 1, got {value!r}")
@@ -116,6 +124,9 @@ class HitCurve:
         self._span = 4 * (exact_keys + sampled_keys)  # times before they are renumbered
         self._recent_marks, self._sampled_marks = _Marks(self._span), _Marks(self._span)
         self._now = 0
+        # per tenant (None: not followed): estimated blocks by the first size that holds them, then
+        # the blocks looked up, the prompts and their tokens (the book retires the least recently active)
+        self.tenants = None if tenants is None else TenantBook(tenants, width=len(sizes) + 4)
 
     @property
     def rate(self) -> float:
@@ -131,20 +142,29 @@ class HitCurve:
     def tracked(self) -> int:
         return len(self._recent) + len(self._sampled)
 
-    def look(self, keys: Sequence[bytes], prompt_tokens: int) -> None:
-        """A prompt of `prompt_tokens` tokens is admitted; `keys` are the chain keys of the full
-        blocks it may take from the cache, root first."""
+    def look(self, keys: Sequence[bytes], prompt_tokens: int, tenant: str | None = None) -> None:
+        """A prompt of `prompt_tokens` tokens is admitted (for `tenant`); `keys` are the chain keys of
+        the full blocks it may take from the cache, root first."""
         self.prompts += 1
         self.prompt_tokens += prompt_tokens
-        chain = 0.0  # the largest distance of the chain so far
+        chain, looked = 0.0, 0.0  # the largest distance of the chain so far; the blocks it counts for
         sizes, held_from, use = self.sizes, self._held_from, self._use
+        row = None if tenant is None or self.tenants is None else self.tenants.row(tenant)
         for key in keys:
             distance, weight = use(key)
             if distance > chain:
                 chain = distance
             if weight:
-                self.looked_blocks += weight
-                held_from[bisect.bisect_right(sizes, chain)] += weight  # the first size over the chain's distance
+                looked += weight
+                first = bisect.bisect_right(sizes, chain)  # the first size over the chain's distance
+                held_from[first] += weight
+                if row is not None:
+                    row[first] += weight
+        self.looked_blocks += looked
+        if row is not None:
+            row[-3] += looked
+            row[-2] += 1
+            row[-1] += prompt_tokens
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Blocks a sequence wrote and the cache keeps (a reply's): used, not counted."""
@@ -160,6 +180,21 @@ class HitCurve:
                 "sizes": [{"times": label, "blocks": None if blocks == math.inf else blocks,
                            "hit_tokens": round(hit * block_size)}
                           for label, blocks, hit in zip(self.labels, self.sizes, self.hit_blocks)]}
+
+    def tenant_figures(self, block_size: int) -> dict | None:
+        """Plain data for /admin/tenants (None: tenants not followed): each followed tenant's
+        prompts, tokens and estimated hit tokens at each size (keyed by its label), and the same
+        summed over the tenants retired from the book."""
+        if self.tenants is None:
+            return None
+
+        def figures(row: list[float]) -> dict:
+            hits = itertools.accumulate(row[:len(self.sizes)])
+            return {"prompts": round(row[-2]), "prompt_tokens": round(row[-1]),
+                    "looked_tokens": round(row[-3] * block_size),
+                    "hit_tokens": {label: round(hit * block_size) for label, hit in zip(self.labels, hits)}}
+        return {"tenants": {tenant: figures(row) for tenant, row in self.tenants.items()},
+                "retired": {"tenants": self.tenants.retired_tenants, **figures(self.tenants.retired)}}
 
     # ---- reuse distances -------------------------------------------------------------------
     def _use(self, key: bytes) -> tuple[float, float]:

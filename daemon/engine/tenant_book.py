@@ -9,6 +9,9 @@ tenant that comes back starts a row of its own again.
 
 A tenant `keep` names (one with a metric series of its own) is never retired: its series then only
 grows, and what is retired is summed under `tenant="*"`, which only grows too.
+
+A book of other counters (the hit curve's, per tenant: daemon/cache/hit_curve.py) gives their
+number as `width`; its rows are retired the same way.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ DEFAULT_LIMIT = 10_000  # max_tracked_tenants when nothing sets it
 
 
 class TenantBook:
-    def __init__(self, limit: int, keep: Callable[[str], bool] = lambda tenant: False) -> None:
+    def __init__(self, limit: int, keep: Callable[[str], bool] = lambda tenant: False,
+                 width: int = len(FIELDS)) -> None:
         if limit < 1:
             raise ValueError(f"max_tracked_tenants: must be >= 1, got {limit}")
-        self.limit, self.keep = limit, keep
+        self.limit, self.keep, self.width = limit, keep, width
         self._rows: OrderedDict[str, list[int]] = OrderedDict()  # least recently active first
-        self.retired = [0] * len(FIELDS)  # the counters of every tenant retired, summed
+        self.retired = [0] * width  # the counters of every tenant retired, summed
         self.retired_tenants = 0  # rows retired (a tenant retired twice counts twice)
 
     def row(self, tenant: str) -> list[int]:
@@ -38,7 +42,7 @@ class TenantBook:
         if row is not None:
             self._rows.move_to_end(tenant)
             return row
-        row = self._rows[tenant] = [0] * len(FIELDS)
+        row = self._rows[tenant] = [0] * self.width
         self._retire_beyond_limit(spare=tenant)
         return row
 

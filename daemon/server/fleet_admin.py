@@ -317,7 +317,7 @@ LOWER_TIER_FIGURES = ("disk_bytes", "disk_share_bytes", "remote_bytes", "remote_
 def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
     """Each tenant across the fleet: its counts summed over the replicas (shares, idle blocks and
     pin budgets too, as the fleet's), its hit ratio from the sums, its TTFT percentiles the slowest
-    replica's."""
+    replica's; its hit curve summed size by size (each replica's cache `times` its own blocks)."""
     merged: dict[str, dict] = {}
     missing = []
     for name, (status, body) in zip(names, answers):
@@ -338,11 +338,14 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
             for key in ("ttft_p50_s", "ttft_p95_s"):  # percentiles do not add up: the slowest replica's
                 if row.get(key) is not None:
                     into[key] = max(into.get(key) or 0.0, row[key])
+            if row.get("hit_curve") is not None:  # (a replica with no curve, or an older kvd, adds nothing)
+                into["hit_curve"] = add_curve_figures(into.get("hit_curve"), row["hit_curve"])
     if not any(status == 200 for status, _ in answers):
         return none_did(names, answers)
     rows = [merged[t] for t in sorted(merged)]
     for row in rows:
         row["hit_ratio"] = row["hit_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+        row.setdefault("hit_curve", None)
     out = {"tenants": rows, "shares": any(body.get("shares") for status, body in answers if status == 200),
            "blocks": sum(body["blocks"] for status, body in answers if status == 200),
            "replicas": [{"replica": name, "status": status} for name, (status, _) in zip(names, answers)]}
@@ -350,9 +353,41 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
     if retired:  # each replica's tenants no longer tracked, summed (one tenant may be retired at several)
         out["retired"] = {key: sum(r.get(key, 0) for r in retired) for key in RETIRED_SUMS}
         out["retired"]["limit"] = min(r["limit"] for r in retired)
+    out["hit_curve"] = merge_curve_heads([body["hit_curve"] for status, body in answers
+                                          if status == 200 and body.get("hit_curve")])
     if missing:
         out["message"] = "not listed: " + "; ".join(missing)
     return 200, out
+
+
+def add_curve_figures(into: dict | None, figures: dict) -> dict:
+    """Hit-curve figures (prompts, tokens, hit tokens by size) added to `into` (None: none yet)."""
+    if into is None:
+        into = {"prompts": 0, "prompt_tokens": 0, "looked_tokens": 0, "hit_tokens": {}}
+    hits = dict(into["hit_tokens"])
+    for times, tokens in figures["hit_tokens"].items():
+        hits[times] = hits.get(times, 0) + tokens
+    return {**{key: into[key] + figures[key] for key in ("prompts", "prompt_tokens", "looked_tokens")},
+            "hit_tokens": hits}
+
+
+def merge_curve_heads(curves: list[dict]) -> dict | None:
+    """The sizes every replica's hit curve has (each one's blocks summed: the fleet's caches at
+    `times` their own) and their retired tenants' figures summed; None where no replica follows one."""
+    if not curves:
+        return None
+    common = set.intersection(*({row["times"] for row in curve["sizes"]} for curve in curves))
+    blocks: dict[str, int | None] = dict.fromkeys(sorted(common, key=float), 0)
+    for curve in curves:
+        for row in curve["sizes"]:
+            if row["times"] in common:
+                held = blocks[row["times"]]
+                blocks[row["times"]] = None if row["blocks"] is None or held is None else held + row["blocks"]
+    retired = None
+    for curve in curves:
+        retired = add_curve_figures(retired, curve["retired"])
+    return {"sizes": [{"times": times, "blocks": n} for times, n in blocks.items()],
+            "retired": {"tenants": sum(curve["retired"]["tenants"] for curve in curves), **retired}}
 
 
 def merge_response_purges(bodies: list[dict]) -> dict:

@@ -258,6 +258,8 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
             engine.cache.step_tokens = new.max_batch_tokens  # what a sliding-window sequence holds beside its window
             engine.speculator.configure(engine.settings.speculation)
             engine.stats.tenants.resize(new.max_tracked_tenants)
+            if engine.cache.hit_curve is not None:
+                engine.cache.hit_curve.tenants.resize(new.max_tracked_tenants)
             if "tenant_cache_shares" in changed:
                 engine.cache.set_tenant_shares(new.tenant_cache_shares)
                 if service.tiers is not None and service.tiers.host is not None:

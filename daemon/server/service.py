@@ -322,6 +322,8 @@ class EngineService:
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         timer.mark("cache")
         engine.stats.tenants.keep = self.tenant_labels.has_own  # a tenant's own metric series never shrinks
+        if engine.cache.hit_curve is not None:  # the curve's book lists the same tenants
+            engine.cache.hit_curve.tenants.keep = self.tenant_labels.has_own
         pin_ops.set_pin_limits(engine, cfg)
         tier_ops.attach(self, engine)
         timer.mark("tiers")

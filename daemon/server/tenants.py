@@ -9,7 +9,9 @@ blocks pay for the others' requests: what tenant shares and `eviction: priority`
 tenant cache shares, its idle blocks against its share; with a host tier, the host slots holding
 its blocks (against its share there, with shares); with a disk or Redis tier, the bytes its blocks
 take there (this daemon's writes, for Redis) against its share; its pinned blocks against its pin
-budget; and the p50 and p95 of its latest TTFTs. Counts only: never
+budget; the p50 and p95 of its latest TTFTs; and, where kvd follows a hit curve, what one LRU cache
+of each size (the curve's, daemon/cache/hit_curve.py) would have served it (`hit_curve`: its
+prompts and tokens as the curve counted them, and hit tokens by size). Counts only: never
 prompts, tokens or keys.
 
 "Lately": the counters are kept for the `max_tracked_tenants` tenants active most recently
@@ -52,8 +54,11 @@ def list_tenants(service: EngineService) -> dict:
                 on_host = {tenant: n for tenant, n in host.tenant_blocks.items() if tenant}
         lower = service.tiers.tenant_bytes() if service.tiers is not None else {}
         total = cache.num_blocks
+        curve = None if cache.hit_curve is None else cache.hit_curve.tenant_figures(cache.block_size)
+        sizes = None if cache.hit_curve is None else cache.hit_curve.figures(cache.block_size)["sizes"]
     # the rows are made after the lock (a row per tenant seen lately: up to max_tracked_tenants);
     # budgets and shares are settings, read as they stand
+    curves = {} if curve is None else curve["tenants"]
     names = (set(counted) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ())
              | set(pinned) | {t for t, _ in flight}
              | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
@@ -72,12 +77,22 @@ def list_tenants(service: EngineService) -> dict:
                      "pin_budget_blocks": pins.budget(tenant),
                      "host_blocks": None if host is None else on_host.get(tenant, 0),
                      "host_share_blocks": None if host is None else host.share_of(tenant),
-                     **_lower_use(service.tiers, lower, tenant)})
+                     **_lower_use(service.tiers, lower, tenant),
+                     "hit_curve": None if curve is None else curves.get(tenant) or _no_prompts(sizes)})
     latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
     for row in rows:
         ttft = latency.get(row["tenant"]) or {}
         row["ttft_p50_s"], row["ttft_p95_s"] = ttft.get("p50"), ttft.get("p95")
-    return {"tenants": rows, "shares": shares is not None, "blocks": total, "retired": retired}
+    return {"tenants": rows, "shares": shares is not None, "blocks": total, "retired": retired,
+            # the hit curve's sizes (times the device's blocks, and blocks) and its retired tenants' sum
+            "hit_curve": None if curve is None else {
+                "sizes": [{"times": row["times"], "blocks": row["blocks"]} for row in sizes],
+                "retired": curve["retired"]}}
+
+
+def _no_prompts(sizes: list[dict]) -> dict:
+    """The hit curve's figures of a tenant with no prompt since the curve's book took it in."""
+    return {"prompts": 0, "prompt_tokens": 0, "looked_tokens": 0, "hit_tokens": {row["times"]: 0 for row in sizes}}
 
 
 def _lower_use(tiers, held: dict[str, dict[str, int]], tenant: str) -> dict:

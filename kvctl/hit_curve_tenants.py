@@ -1,0 +1,145 @@
+"""`kvctl hit-curve --tenants` and `--tenant T`: the hit curve split by tenant. kvd counts each
+prompt block against the tenant whose prompt looked it up (daemon/cache/hit_curve.py, `hit_curve`
+in each row of /admin/tenants): what the one shared LRU cache of each size would have served each
+tenant. Beside what kvd served the tenant in fact, it says who gains from more blocks, and what
+shares, priorities and pins cost or give each tenant against plain LRU."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.markup import escape
+from rich.text import Text
+
+from .errors import UserError
+from .hit_curve_cmd import BAR, NEAR, smallest_enough, where_it_flattens
+from .tables import compact_table, count, fit_cells, keep_whole
+
+COLUMNS = ("0.5", "1", "2", "4", "inf")  # the sizes the per-tenant table shows, where the curve has them
+NAMED = 5  # tenants named at most in a note
+
+
+def tenant_row(body: dict, tenant: str) -> dict:
+    """`tenant`'s row of /admin/tenants, or an error that says what there is to ask for instead."""
+    _require_curve(body)
+    row = next((row for row in body["tenants"] if row["tenant"] == tenant), None)
+    if row is None:
+        raise UserError(f"tenant: kvd lists no {tenant!r} among its {len(body['tenants']):,} tenants (those active "
+                        "most recently, and those holding blocks, pins or requests: kvctl hit-curve --tenants)")
+    return row
+
+
+def tenant_json(body: dict, tenant: str) -> dict:
+    """What `--tenant T --json` prints: the curve's sizes, the tenant's figures, and what kvd served it."""
+    row = tenant_row(body, tenant)
+    return {"tenant": tenant, "sizes": body["hit_curve"]["sizes"], "hit_curve": row["hit_curve"],
+            "prompt_tokens": row["prompt_tokens"], "hit_tokens": row["hit_tokens"]}
+
+
+def tenants_json(body: dict) -> dict:
+    """What `--tenants --json` prints: the sizes, each tenant's figures, and the retired tenants' sum."""
+    _require_curve(body)
+    return {"sizes": body["hit_curve"]["sizes"], "retired": body["hit_curve"]["retired"],
+            "tenants": [{"tenant": row["tenant"], "prompt_tokens": row["prompt_tokens"],
+                         "hit_tokens": row["hit_tokens"], "hit_curve": row["hit_curve"]} for row in body["tenants"]]}
+
+
+def render_tenant_curve(body: dict, tenant: str):
+    """One tenant's curve: a row per size, the device's own in bold, then where it flattens and
+    what kvd served the tenant in fact."""
+    row = tenant_row(body, tenant)
+    curve, sizes = row["hit_curve"], body["hit_curve"]["sizes"]
+    if not curve["prompt_tokens"]:
+        return Text(f"no prompt of {tenant!r} counted by the hit curve yet")
+    fleet = "replicas" in body
+    table = compact_table("cache", "blocks", "hit tokens", "hit ratio", "")
+    for size in sizes:
+        hits = curve["hit_tokens"][size["times"]]
+        ratio = hits / curve["prompt_tokens"]
+        label = "never evicts" if size["blocks"] is None else f"{size['times']}x" + (
+            " (device)" if size["times"] == "1" else "")
+        table.add_row(label, "-" if size["blocks"] is None else f"{size['blocks']:,}", f"{hits:,}", f"{ratio:.1%}",
+                      "█" * round(ratio * BAR), style="bold" if size["times"] == "1" else None)
+    for column in table.columns[1:4]:
+        column.justify = "right"
+    fit_cells(table, 0, 1, 2, 3)
+    heading = (f"{curve['prompts']:,} prompts of {tenant!r}, {curve['prompt_tokens']:,} tokens (of them "
+               f"{curve['looked_tokens']:,} in full blocks a cache can serve); one LRU cache of each size, shared "
+               f"by every tenant as kvd's is{' (at each replica, their blocks summed)' if fleet else ''}, would have "
+               "served it:")
+    blocks = "the devices' blocks" if fleet else "the device's blocks"
+    notes = where_it_flattens(smallest_enough(sizes, curve["hit_tokens"], curve["prompt_tokens"]), sizes[0], blocks)
+    if row["prompt_tokens"]:
+        notes.append(f"kvd served {tenant!r} {row['hit_tokens'] / row['prompt_tokens']:.1%} in fact "
+                     f"({row['hit_tokens']:,} of {row['prompt_tokens']:,} tokens), under its eviction policy, "
+                     "shares, pins and lower tiers")
+    return Group(Text(escape(heading)), table, *(Text(escape(note), style="dim") for note in notes))
+
+
+def render_tenant_curves(body: dict, top: int):
+    """A row per tenant, the most prompt tokens first: what kvd served it, and LRU's ratio at each
+    of a few sizes; then who would gain most from twice the blocks, and who kvd served under LRU."""
+    _require_curve(body)
+    sizes = [size for size in body["hit_curve"]["sizes"] if size["times"] in COLUMNS]
+    counted = sorted((row for row in body["tenants"] if row["hit_curve"]["prompt_tokens"]),
+                     key=lambda row: (-row["hit_curve"]["prompt_tokens"], row["tenant"]))
+    if not counted:
+        return Text("no tenant's prompt counted by the hit curve yet")
+    table = compact_table("tenant", "prompt tokens", "kvd served",
+                          *("never evicts" if s["blocks"] is None else f"LRU {s['times']}x" for s in sizes))
+    shown = counted[:top] if top else counted
+    for row in shown:
+        curve = row["hit_curve"]
+        served = f"{row['hit_tokens'] / row['prompt_tokens']:.1%}" if row["prompt_tokens"] else "-"
+        table.add_row(row["tenant"], count(curve["prompt_tokens"]), served,
+                      *(f"{curve['hit_tokens'][s['times']] / curve['prompt_tokens']:.1%}" for s in sizes))
+    for column in table.columns[1:]:
+        column.justify = "right"
+    keep_whole(table, 0)
+    fit_cells(table, *range(1, len(table.columns)))
+    parts = [Text("What one LRU cache of each size (times the device's blocks, shared by every tenant) would have "
+                  "served each tenant's prompts, beside what kvd served:"), table]
+    notes = []
+    if len(counted) > len(shown):
+        more = len(counted) - len(shown)
+        notes.append(f"and {more:,} more tenant{'s' if more != 1 else ''} (--top 0 lists every one)")
+    retired = body["hit_curve"]["retired"]
+    if retired["prompt_tokens"]:
+        notes.append(f"{retired['tenants']:,} tenants retired from the curve's book (max_tracked_tenants): "
+                     f"{retired['prompt_tokens']:,} prompt tokens, LRU 1x "
+                     f"{retired['hit_tokens'].get('1', 0) / retired['prompt_tokens']:.1%}")
+    notes += _gain_notes(counted)
+    return Group(*parts, *(Text(escape(note), style="dim") for note in notes))
+
+
+def _gain_notes(counted: list[dict]) -> list[str]:
+    """Who twice the blocks would serve the most more tokens, and whom kvd served more than a
+    point under plain LRU over the same blocks."""
+    notes = []
+    gains = [(row["hit_curve"]["hit_tokens"].get("2", 0) - row["hit_curve"]["hit_tokens"].get("1", 0), row)
+             for row in counted]
+    gained, most = max(gains, key=lambda pair: (pair[0], -counted.index(pair[1])))
+    if gained > 0:
+        curve = most["hit_curve"]
+        before, after = (curve["hit_tokens"][t] / curve["prompt_tokens"] for t in ("1", "2"))
+        notes.append(f"twice the blocks would serve {most['tenant']!r} the most more: {before:.1%} -> {after:.1%} "
+                     f"({gained:,} tokens more)")
+    under = []
+    for row in counted:
+        curve = row["hit_curve"]
+        if row["prompt_tokens"] and "1" in curve["hit_tokens"]:
+            behind = curve["hit_tokens"]["1"] / curve["prompt_tokens"] - row["hit_tokens"] / row["prompt_tokens"]
+            if behind > NEAR:
+                under.append((behind, row["tenant"]))
+    if under:
+        under.sort(key=lambda pair: (-pair[0], pair[1]))
+        named = ", ".join(f"{tenant!r} (-{behind * 100:.1f} points)" for behind, tenant in under[:NAMED]) + (
+            f" and {len(under) - NAMED:,} more" if len(under) > NAMED else "")
+        notes.append(f"kvd served under plain LRU over its blocks: {named}: other tenants' shares or priorities, "
+                     "pins, evictions by hand, or the blocks running requests hold")
+    return notes
+
+
+def _require_curve(body: dict) -> None:
+    if body.get("hit_curve") is None:
+        raise UserError("hit curve by tenant: kvd follows none (hit_curve: false in its settings, or a kvd older than "
+                        "kvctl hit-curve --tenants)")
