@@ -14,10 +14,11 @@ from rich.text import Text
 from .command_kit import client_for, show_or_watch
 from .errors import UserError
 from .fleet_status import is_fleet
-from .tables import compact_table, fit_cells, size
+from .tables import compact_table, duration, fit_cells, size
 
 BAR = 20  # the widest bar, at a hit ratio of 100%
 NEAR = 0.01  # a size within this of the never-evicting cache's hit ratio is where more blocks stop paying
+LAST = {"5m": 300, "1h": 3600}  # --last: the recent windows kvd keeps (daemon/cache/hit_curve.py WINDOWS)
 
 
 def hit_curve(ctx: typer.Context,
@@ -28,6 +29,8 @@ def hit_curve(ctx: typer.Context,
                                            "LRU at a few sizes would have."),
               top: int = typer.Option(20, "--top", min=0, help="With --tenants: the N tenants with the most "
                                       "prompt tokens (0: every one). --json lists every one."),
+              last: Optional[str] = typer.Option(None, "--last", help="5m or 1h: the prompts of the last 5 minutes "
+                                                 "or hour only (default: since kvd started)."),
               watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
               as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """What a prefix cache of each size would have served of this kvd's prompts: hit ratio by size.
@@ -44,11 +47,18 @@ def hit_curve(ctx: typer.Context,
     up: who would gain from more blocks, and whom kvd's shares, priorities and pins served under
     plain LRU. At kvd router, the replicas' figures summed.
 
-    Example: kvctl hit-curve --watch; kvctl hit-curve --tenants
+    `--last 5m` or `--last 1h` draws the prompts of the last 5 minutes or hour (within a minute):
+    what traffic needs now, where the default, since kvd started, may be weeks of it.
+
+    Example: kvctl hit-curve --last 1h --watch; kvctl hit-curve --tenants
     """
     client = client_for(ctx)
     if tenant is not None and tenants:
         raise UserError("give --tenant or --tenants, not both")
+    if last is not None and last not in LAST:
+        raise UserError(f"last: must be {' or '.join(LAST)}, got {last!r}")
+    if last is not None and (tenant is not None or tenants):
+        raise UserError("last: a tenant's figures are since kvd started (give --last without --tenant and --tenants)")
     from .hit_curve_tenants import render_tenant_curve, render_tenant_curves, tenant_json, tenants_json
     if tenant is not None:
         show_or_watch(lambda: client.get("/admin/tenants"), lambda body: render_tenant_curve(body, tenant), watch,
@@ -58,7 +68,8 @@ def hit_curve(ctx: typer.Context,
         show_or_watch(lambda: client.get("/admin/tenants"), lambda body: render_tenant_curves(body, top), watch,
                       as_json, for_json=tenants_json)
         return
-    show_or_watch(lambda: client.get("/admin/status"), render_hit_curves, watch, as_json, for_json=curves_of)
+    show_or_watch(lambda: client.get("/admin/status"), lambda status: render_hit_curves(status, last), watch,
+                  as_json, for_json=curves_of)
 
 
 def curves_of(status: dict) -> dict:
@@ -82,24 +93,33 @@ def twice_the_cache(curve: dict | None) -> str:
     return f"; LRU over these blocks {ratios['1']:.1%}, over twice them {ratios['2']:.1%} (kvctl hit-curve)"
 
 
-def render_hit_curves(status: dict):
+def render_hit_curves(status: dict, last: str | None = None):
     if not is_fleet(status):
-        return render_hit_curve(status)
+        return render_hit_curve(status, last)
     parts = []
     for row in status["replica_status"]:
         parts.append(Text(f"replica {row['replica']}", style="bold"))
-        parts.append(Text(f"  no answer: {row['error']}") if "error" in row else render_hit_curve(row))
+        parts.append(Text(f"  no answer: {row['error']}") if "error" in row else render_hit_curve(row, last))
     return Group(*parts)
 
 
-def render_hit_curve(status: dict):
-    """One kvd's curve: a row per size, the device's own marked, then what the figures rest on."""
+def render_hit_curve(status: dict, last: str | None = None):
+    """One kvd's curve (over the `last` window, or since kvd started): a row per size, the device's
+    own marked, then what the figures rest on."""
     curve = status.get("hit_curve")
     if curve is None:
         return Text("this kvd follows no hit curve (hit_curve: false in its settings)" if "hit_curve" in status
                     else "this kvd reports no hit curve (it is older than kvctl hit-curve)")
+    since = "since kvd started"
+    if last is not None:
+        recent = next((row for row in curve.get("recent") or () if row["window"] == LAST[last]), None)
+        if recent is None:
+            return Text("this kvd keeps no recent hit curve (it is older than kvctl hit-curve --last)")
+        curve = {**curve, **recent}
+        since = f"in the last {duration(recent['seconds'])}" if recent["seconds"] >= recent["window"] else \
+            f"since kvd started, {duration(recent['seconds'])} ago"
     if not curve["prompts"]:
-        return Text("no prompt admitted since kvd started: nothing to draw yet")
+        return Text(f"no prompt admitted {since}: nothing to draw yet")
     per_block, prompt_tokens = status.get("bytes_per_block"), curve["prompt_tokens"]
     dtype = str((status.get("model") or {}).get("dtype", "the model's dtype")).removeprefix("torch.")
     formats: dict[int, list[str]] = {}  # blocks -> the other cache formats holding that many in the same memory
@@ -121,7 +141,7 @@ def render_hit_curve(status: dict):
     for column in table.columns[1:5]:
         column.justify = "right"
     fit_cells(table, 0, 1, 2, 3, 4)
-    heading = (f"{curve['prompts']:,} prompts, {prompt_tokens:,} tokens since kvd started (of them "
+    heading = (f"{curve['prompts']:,} prompts, {prompt_tokens:,} tokens {since} (of them "
                f"{curve['looked_tokens']:,} in full blocks a cache can serve); an LRU cache of each size would "
                "have served:")
     notes = _notes(status, curve, enough, formats)
@@ -140,8 +160,9 @@ def _notes(status: dict, curve: dict, enough: dict | None, formats: dict[int, li
             notes.append(f"{' and '.join(names)} would hold {row['times']}x the blocks in the same memory: LRU "
                          f"{row['hit_tokens'] / prompt_tokens:.1%} against {now['hit_tokens'] / prompt_tokens:.1%} "
                          f"at these (kvctl calibrate, then cache_dtype: {names[0]})")
-    if "hit" in tokens:
-        notes.append(f"kvd served {tokens['hit'] / prompt_tokens:.1%} in fact ({tokens['hit']:,} tokens), under "
+    served = curve.get("served_tokens", tokens.get("hit"))  # (a kvd older than served_tokens: its total)
+    if served is not None:
+        notes.append(f"kvd served {served / prompt_tokens:.1%} in fact ({served:,} tokens), under "
                      f"{status.get('eviction_policy', 'its')} eviction, its pins, the blocks running requests hold "
                      "and its lower tiers; the curve is plain LRU over one pool")
     tiers = status.get("tiers") or {}

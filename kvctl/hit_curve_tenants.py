@@ -29,18 +29,16 @@ def tenant_row(body: dict, tenant: str) -> dict:
 
 
 def tenant_json(body: dict, tenant: str) -> dict:
-    """What `--tenant T --json` prints: the curve's sizes, the tenant's figures, and what kvd served it."""
-    row = tenant_row(body, tenant)
-    return {"tenant": tenant, "sizes": body["hit_curve"]["sizes"], "hit_curve": row["hit_curve"],
-            "prompt_tokens": row["prompt_tokens"], "hit_tokens": row["hit_tokens"]}
+    """What `--tenant T --json` prints: the curve's sizes and the tenant's figures (what kvd served it
+    among them)."""
+    return {"tenant": tenant, "sizes": body["hit_curve"]["sizes"], "hit_curve": tenant_row(body, tenant)["hit_curve"]}
 
 
 def tenants_json(body: dict) -> dict:
     """What `--tenants --json` prints: the sizes, each tenant's figures, and the retired tenants' sum."""
     _require_curve(body)
     return {"sizes": body["hit_curve"]["sizes"], "retired": body["hit_curve"]["retired"],
-            "tenants": [{"tenant": row["tenant"], "prompt_tokens": row["prompt_tokens"],
-                         "hit_tokens": row["hit_tokens"], "hit_curve": row["hit_curve"]} for row in body["tenants"]]}
+            "tenants": [{"tenant": row["tenant"], "hit_curve": row["hit_curve"]} for row in body["tenants"]]}
 
 
 def render_tenant_curve(body: dict, tenant: str):
@@ -68,10 +66,8 @@ def render_tenant_curve(body: dict, tenant: str):
                "served it:")
     blocks = "the devices' blocks" if fleet else "the device's blocks"
     notes = where_it_flattens(smallest_enough(sizes, curve["hit_tokens"], curve["prompt_tokens"]), sizes[0], blocks)
-    if row["prompt_tokens"]:
-        notes.append(f"kvd served {tenant!r} {row['hit_tokens'] / row['prompt_tokens']:.1%} in fact "
-                     f"({row['hit_tokens']:,} of {row['prompt_tokens']:,} tokens), under its eviction policy, "
-                     "shares, pins and lower tiers")
+    notes.append(f"kvd served {tenant!r} {curve['served_tokens'] / curve['prompt_tokens']:.1%} in fact "
+                 f"({curve['served_tokens']:,} tokens), under its eviction policy, shares, pins and lower tiers")
     return Group(Text(escape(heading)), table, *(Text(escape(note), style="dim") for note in notes))
 
 
@@ -89,8 +85,8 @@ def render_tenant_curves(body: dict, top: int):
     shown = counted[:top] if top else counted
     for row in shown:
         curve = row["hit_curve"]
-        served = f"{row['hit_tokens'] / row['prompt_tokens']:.1%}" if row["prompt_tokens"] else "-"
-        table.add_row(row["tenant"], count(curve["prompt_tokens"]), served,
+        served = curve["served_tokens"] / curve["prompt_tokens"]
+        table.add_row(row["tenant"], count(curve["prompt_tokens"]), f"{served:.1%}",
                       *(f"{curve['hit_tokens'][s['times']] / curve['prompt_tokens']:.1%}" for s in sizes))
     for column in table.columns[1:]:
         column.justify = "right"
@@ -126,8 +122,8 @@ def _gain_notes(counted: list[dict]) -> list[str]:
     under = []
     for row in counted:
         curve = row["hit_curve"]
-        if row["prompt_tokens"] and "1" in curve["hit_tokens"]:
-            behind = curve["hit_tokens"]["1"] / curve["prompt_tokens"] - row["hit_tokens"] / row["prompt_tokens"]
+        if "1" in curve["hit_tokens"]:
+            behind = (curve["hit_tokens"]["1"] - curve["served_tokens"]) / curve["prompt_tokens"]
             if behind > NEAR:
                 under.append((behind, row["tenant"]))
     if under:

@@ -201,15 +201,48 @@ def test_the_least_recently_active_tenant_is_retired_into_one_sum_and_none_is_fo
     a, b = key("a"), key("b")
     curve = HitCurve([("4", 4), ("inf", None)], tenants=1)
     curve.look([a], 20, "acme")
-    curve.look([a], 20, "acme")  # a hit at every size
+    curve.look([a], 20, "acme", served_tokens=16)  # a hit at every size, and kvd served it
     curve.look([b], 16, "globex")  # acme is retired
     figures = curve.tenant_figures(block_size=16)
-    assert figures["tenants"] == {"globex": {"prompts": 1, "prompt_tokens": 16, "looked_tokens": 16,
-                                             "hit_tokens": {"4": 0, "inf": 0}}}
-    assert figures["retired"] == {"tenants": 1, "prompts": 2, "prompt_tokens": 40, "looked_tokens": 32,
-                                  "hit_tokens": {"4": 16, "inf": 16}}
+    assert figures["tenants"] == {"globex": {"prompts": 1, "prompt_tokens": 16, "served_tokens": 0,
+                                             "looked_tokens": 16, "hit_tokens": {"4": 0, "inf": 0}}}
+    assert figures["retired"] == {"tenants": 1, "prompts": 2, "prompt_tokens": 40, "served_tokens": 16,
+                                  "looked_tokens": 32, "hit_tokens": {"4": 16, "inf": 16}}
     curve.look([a], 20)  # a prompt without a tenant counts in the whole only
     assert curve.tenant_figures(16)["tenants"]["globex"]["prompts"] == 1 and curve.prompts == 4
     plain = HitCurve([("4", 4), ("inf", None)])
     plain.look([a], 20, "acme")
     assert plain.tenant_figures(16) is None and plain.hit_blocks == [0, 0]
+
+
+def test_recent_windows_are_the_counts_since_the_mark_a_window_old_or_since_the_start():
+    """The counts are marked at the first prompt a minute or more after the last mark; a window
+    is the counts now less those of the latest mark at least that old (the first mark, at the
+    start, while the curve is younger)."""
+    now = [1_000.0]
+    a, b = key("a"), key("b")
+    curve = HitCurve([("4", 4), ("inf", None)], clock=lambda: now[0])
+    curve.look([a, b], 40, served_tokens=0)
+    now[0] += 200
+    curve.look([a, b], 40, served_tokens=32)  # marked first (at 1,200: one prompt so far)
+    five, hour = curve.figures(block_size=16)["recent"]
+    assert (five["window"], five["seconds"], hour["window"], hour["seconds"]) == (300, 200.0, 3600, 200.0)
+    assert five["prompts"] == hour["prompts"] == 2  # younger than either window: since the start
+    now[0] += 150  # 350 s in: the five minutes go back to the mark at 1,000 still
+    assert curve.figures(16)["recent"][0]["seconds"] == 350.0
+    now[0] += 200  # 550 s in: the mark at 1,200 is the latest at least 300 s old
+    curve.look([a], 20, served_tokens=16)  # marked at 1,550 first
+    five, hour = curve.figures(16)["recent"]
+    assert (five["seconds"], five["prompts"], five["prompt_tokens"], five["served_tokens"]) == (350.0, 2, 60, 48)
+    assert five["sizes"] == [{"times": "4", "blocks": 4, "hit_tokens": 48}, {"times": "inf", "blocks": None,
+                                                                             "hit_tokens": 48}]
+    assert (hour["seconds"], hour["prompts"], hour["served_tokens"]) == (550.0, 3, 48)
+    whole = curve.figures(16)
+    assert (whole["prompts"], whole["served_tokens"], whole["sizes"][0]["hit_tokens"]) == (3, 48, 48)
+    for _ in range(100):  # two hours of a prompt a minute: 61 marks kept, the hour's from an hour ago
+        now[0] += 72
+        curve.look([b], 20)
+    five, hour = curve.figures(16)["recent"]
+    assert (five["seconds"], five["prompts"]) == (360.0, 6)  # a mark is made before its prompt counts
+    assert (hour["seconds"], hour["prompts"]) == (3600.0, 51)
+    assert len(curve._marks) == 61

@@ -10,19 +10,25 @@ from kvctl.daemon.server.app import create_app
 from .daemon_fixtures import call, start_service
 
 
-def complete(app, ids) -> None:
-    answer = call(app, "POST", "/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0,
-                                                        "ignore_eos": True})
+def complete(app, ids, tenant: str | None = None) -> None:
+    answer = call(app, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant} if tenant else {},
+                  json={"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
     assert answer.status_code == 200, answer.text
+
+
+def a_b_c_a(app, tenants=(None,) * 4) -> None:
+    """Prompts a, b, c (4 full blocks each, 71 tokens) and a again: its root was last used 8 blocks
+    before (b's and c's), so a cache of 8 blocks serves it nothing and one of 16 its 4 blocks."""
+    prompts = {name: [first] + [7] * 70 for name, first in (("a", 11), ("b", 12), ("c", 13))}
+    for name, tenant in zip("abca", tenants):
+        complete(app, prompts[name], tenant)
 
 
 def test_status_and_metrics_say_what_a_cache_of_each_size_would_have_served(tmp_path):
     service = start_service(tmp_path, num_blocks=64)
     try:
         app = create_app(service, service.metrics, front="unix")
-        prompts = {name: [first] + [7] * 70 for name, first in (("a", 11), ("b", 12), ("c", 13))}  # 4 full blocks
-        for name in ("a", "b", "c", "a"):
-            complete(app, prompts[name])
+        a_b_c_a(app)
         body = call(app, "GET", "/admin/status").json()
         curve = body["hit_curve"]
         assert (curve["prompts"], curve["prompt_tokens"], curve["looked_tokens"]) == (4, 4 * 71, 4 * 64)
@@ -56,9 +62,7 @@ def test_kvctl_hit_curve_draws_each_size_and_marks_the_device_s_own(tmp_path, ca
     service = start_service(tmp_path, num_blocks=64)
     try:
         app = create_app(service, service.metrics, front="unix")
-        prompts = {name: [first] + [7] * 70 for name, first in (("a", 11), ("b", 12), ("c", 13))}
-        for name in ("a", "b", "c", "a"):
-            complete(app, prompts[name])
+        a_b_c_a(app)
         with served_on(app, str(tmp_path / "served.sock")) as path:
             status, out, err = cli(capsys, "--socket", path, "hit-curve")
             assert status == 0, err
@@ -167,12 +171,6 @@ def test_a_cache_format_off_the_multiples_is_a_size_of_its_own(tmp_path):
     assert curve.sizes == sorted(curve.sizes)
 
 
-def ask(app, ids, tenant) -> None:
-    answer = call(app, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant},
-                  json={"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
-    assert answer.status_code == 200, answer.text
-
-
 def test_each_tenant_s_part_of_the_curve_in_admin_tenants_and_kvctl_hit_curve(tmp_path, capsys):
     from .test_cli import cli
     from .test_health_checks import served_on
@@ -180,9 +178,7 @@ def test_each_tenant_s_part_of_the_curve_in_admin_tenants_and_kvctl_hit_curve(tm
     service = start_service(tmp_path, num_blocks=64, max_tracked_tenants=3, max_tenant_metric_series=1)
     try:
         app = create_app(service, service.metrics, front="unix")
-        prompts = {name: [first] + [7] * 70 for name, first in (("a", 11), ("b", 12), ("c", 13))}  # 4 full blocks
-        for name, tenant in (("a", "acme"), ("b", "globex"), ("c", "globex"), ("a", "acme")):
-            ask(app, prompts[name], tenant)
+        a_b_c_a(app, tenants=("acme", "globex", "globex", "acme"))
         body = call(app, "GET", "/admin/tenants").json()
         assert body["hit_curve"]["sizes"][:2] == [{"times": "0.125", "blocks": 8}, {"times": "0.25", "blocks": 16}]
         assert body["hit_curve"]["retired"]["tenants"] == 0 and body["hit_curve"]["retired"]["prompt_tokens"] == 0
@@ -213,11 +209,11 @@ def test_each_tenant_s_part_of_the_curve_in_admin_tenants_and_kvctl_hit_curve(tm
             assert "0.125x 8 0 0.0%" in lines and "1x (device) 64 64 45.1% █████████" in lines
             assert "never evicts - 64 45.1% █████████" in lines
             assert "0.25x the device's blocks would serve within 1 point of a cache that never evicts" in text
-            assert "kvd served 'acme' 45.1% in fact (64 of 142 tokens)" in text
+            assert "kvd served 'acme' 45.1% in fact (64 tokens)" in text
             status, out, _ = cli(capsys, "--socket", path, "hit-curve", "--tenant", "acme", "--json")
             answer = json.loads(out)
             assert status == 0 and answer["tenant"] == "acme" and answer["hit_curve"] == acme
-            assert (answer["prompt_tokens"], answer["hit_tokens"]) == (142, 64) and len(answer["sizes"]) == 11
+            assert acme["served_tokens"] == 64 and globex["served_tokens"] == 0 and len(answer["sizes"]) == 11
             status, out, _ = cli(capsys, "--socket", path, "hit-curve", "--tenants", "--json")
             answer = json.loads(out)
             assert [row["tenant"] for row in answer["tenants"]] == ["acme", "globex"]
@@ -250,7 +246,7 @@ def test_without_a_curve_tenants_have_none_and_kvctl_says_why(tmp_path, capsys):
     service = start_service(tmp_path, num_blocks=64, hit_curve="false")
     try:
         app = create_app(service, service.metrics, front="unix")
-        ask(app, [11] + [7] * 70, "acme")
+        complete(app, [11] + [7] * 70, "acme")
         body = call(app, "GET", "/admin/tenants").json()
         assert body["hit_curve"] is None and body["tenants"][0]["hit_curve"] is None
         with served_on(app, str(tmp_path / "served.sock")) as path:
@@ -267,8 +263,8 @@ def tenant(name, prompt, served, lru, prompts=3):
     """A row of /admin/tenants: `served` of `prompt` tokens in fact; `lru` the curve's hit tokens at
     0.5x, 1x, 2x, 4x and never evicting."""
     return {"tenant": name, "prompt_tokens": prompt, "hit_tokens": served,
-            "hit_curve": {"prompts": prompts, "prompt_tokens": prompt, "looked_tokens": prompt,
-                          "hit_tokens": dict(zip(("0.5", "1", "2", "4", "inf"), lru))}}
+            "hit_curve": {"prompts": prompts, "prompt_tokens": prompt, "served_tokens": served,
+                          "looked_tokens": prompt, "hit_tokens": dict(zip(("0.5", "1", "2", "4", "inf"), lru))}}
 
 
 SIZES = [{"times": "0.5", "blocks": 50}, {"times": "1", "blocks": 100}, {"times": "2", "blocks": 200},
@@ -321,7 +317,8 @@ def test_kvd_router_sums_each_tenant_s_curve_over_the_sizes_every_replica_has():
     def replica(rows, sizes, retired_tenants):
         return 200, {"tenants": rows, "blocks": 100, "hit_curve": {
             "sizes": sizes, "retired": {"tenants": retired_tenants, "prompts": 1, "prompt_tokens": 10,
-                                        "looked_tokens": 8, "hit_tokens": {s["times"]: 4 for s in sizes}}}}
+                                        "served_tokens": 2, "looked_tokens": 8,
+                                        "hit_tokens": {s["times"]: 4 for s in sizes}}}}
 
     with_format = SIZES[:3] + [{"times": "3.9", "blocks": 390}] + SIZES[3:]  # int8 with a layer kept: one replica
     status, body = merge_tenant_lists(["r0", "r1", "r2", "r3"], [
@@ -336,11 +333,12 @@ def test_kvd_router_sums_each_tenant_s_curve_over_the_sizes_every_replica_has():
     assert body["hit_curve"]["sizes"] == [{"times": "0.5", "blocks": 100}, {"times": "1", "blocks": 200},
                                           {"times": "2", "blocks": 400}, {"times": "4", "blocks": 800},
                                           {"times": "inf", "blocks": None}]
-    assert body["hit_curve"]["retired"] == {"tenants": 3, "prompts": 2, "prompt_tokens": 20, "looked_tokens": 16,
+    assert body["hit_curve"]["retired"] == {"tenants": 3, "prompts": 2, "prompt_tokens": 20, "served_tokens": 4,
+                                            "looked_tokens": 16,
                                             "hit_tokens": {"0.5": 8, "1": 8, "2": 8, "3.9": 4, "4": 8, "inf": 8}}
     (acme,) = body["tenants"]
     assert acme["prompt_tokens"] == 1_507 and acme["hit_tokens"] == 407
-    assert acme["hit_curve"] == {"prompts": 6, "prompt_tokens": 1_500, "looked_tokens": 1_500,
+    assert acme["hit_curve"] == {"prompts": 6, "prompt_tokens": 1_500, "served_tokens": 400, "looked_tokens": 1_500,
                                  "hit_tokens": {"0.5": 100, "1": 500, "2": 1_100, "3.9": 200, "4": 1_150,
                                                 "inf": 1_210}}
     console = Console(width=100, record=True)
@@ -350,7 +348,69 @@ def test_kvd_router_sums_each_tenant_s_curve_over_the_sizes_every_replica_has():
         in " ".join(lines)
     assert "2x 400 1,100 73.3% ███████████████" in lines
     assert not any(line.startswith("3.9x") for line in lines)
-    assert "kvd served 'acme' 27.0% in fact (407 of 1,507 tokens)" in " ".join(lines)
+    assert "kvd served 'acme' 26.7% in fact (400 tokens)" in " ".join(lines)
     _, none = merge_tenant_lists(["r0"], [(200, {"tenants": [{"tenant": "acme", "prompt_tokens": 1, "hit_tokens": 0}],
                                                  "blocks": 8})])
     assert none["hit_curve"] is None and none["tenants"][0]["hit_curve"] is None
+
+
+def test_kvctl_hit_curve_last_draws_a_recent_window_and_refuses_what_kvd_does_not_keep(tmp_path, capsys):
+    from .test_cli import cli
+    from .test_health_checks import served_on
+
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        a_b_c_a(app)
+        curve = call(app, "GET", "/admin/status").json()["hit_curve"]
+        assert curve["served_tokens"] == 64
+        five, hour = curve["recent"]
+        assert (five["window"], hour["window"]) == (300, 3600) and five["seconds"] < 300
+        for recent in (five, hour):  # younger than either window: since kvd started
+            assert {key: recent[key] for key in ("prompts", "prompt_tokens", "served_tokens", "looked_tokens",
+                                                 "sizes")} \
+                == {key: curve[key] for key in ("prompts", "prompt_tokens", "served_tokens", "looked_tokens", "sizes")}
+        with served_on(app, str(tmp_path / "served.sock")) as path:
+            status, out, err = cli(capsys, "--socket", path, "hit-curve", "--last", "1h")
+            assert status == 0, err
+            rows = [" ".join(line.split()) for line in out.splitlines()]
+            assert re.match(r"4 prompts, 284 tokens since kvd started, \d+s ago \(of them 256 in full blocks", rows[0])
+            assert "1x (device) 64 1.0 MiB 64 22.5% █████" in rows
+            assert "kvd served 22.5% in fact (64 tokens)" in " ".join(rows)
+            status, _, err = cli(capsys, "--socket", path, "hit-curve", "--last", "2h")
+            assert status != 0 and "last: must be 5m or 1h, got '2h'" in err
+            status, _, err = cli(capsys, "--socket", path, "hit-curve", "--last", "5m", "--tenants")
+            assert status != 0
+            assert "last: a tenant's figures are since kvd started" in " ".join(err.split())
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_a_full_window_says_so_and_an_older_kvd_keeps_none():
+    from rich.console import Console
+
+    from kvctl.hit_curve_cmd import render_hit_curve
+
+    since_start = curve(10, [100, 500, 700, 705])
+    hour = {"window": 3600, "seconds": 3_630.0, "prompts": 2, "prompt_tokens": 200, "served_tokens": 50,
+            "looked_tokens": 180,
+            "sizes": [{**row, "hit_tokens": hits} for row, hits in zip(since_start["sizes"], [0, 50, 120, 150])]}
+    five = {**hour, "window": 300, "seconds": 320.0, "prompts": 0, "prompt_tokens": 0, "served_tokens": 0,
+            "looked_tokens": 0, "sizes": [{**row, "hit_tokens": 0} for row in since_start["sizes"]]}
+    status = {"hit_curve": {**since_start, "served_tokens": 480, "recent": [five, hour]}, "bytes_per_block": 1024,
+              "tokens": {"hit": 480}}
+
+    def drawn(last):
+        console = Console(width=200, record=True)
+        console.print(render_hit_curve(status, last))
+        return [" ".join(line.split()) for line in console.export_text().splitlines()]
+
+    rows = drawn("1h")
+    assert rows[0].startswith("2 prompts, 200 tokens in the last 1h (of them 180 in full blocks")
+    assert "2x 200 200.0 KiB 120 60.0% ████████████" in rows
+    assert "kvd served 25.0% in fact (50 tokens)" in " ".join(rows)
+    assert drawn("5m") == ["no prompt admitted in the last 5m: nothing to draw yet"]
+    assert drawn(None)[0].startswith("10 prompts, 1,000 tokens since kvd started")
+    status["hit_curve"] = since_start  # a kvd from before the windows (and served_tokens)
+    assert drawn("1h") == ["this kvd keeps no recent hit curve (it is older than kvctl hit-curve --last)"]
+    assert "kvd served 48.0% in fact (480 tokens)" in " ".join(drawn(None))

@@ -23,6 +23,10 @@ and 1/rate for each sampled key used since. What the model leaves out: pins (alw
 running sequences' blocks (held until they finish), another eviction policy than LRU, and a
 sliding window (a hit needs only the window's blocks).
 
+Beside each size, what kvd's own cache served of the same prompts (`served_tokens`), and the same
+over the last 5 minutes and hour (`recent`): the counts as they stood a minute apart are kept for
+an hour, so a window is the difference (reuse distances are the traffic's own, whatever the window).
+
 Per tenant (`tenants`: how many are followed, the most recently active; daemon/engine/tenant_book.py
 retires the others into one sum), the same curve split by whose prompt looked the blocks up: what
 the one shared LRU cache of each size would have served each tenant. Read beside what kvd served
@@ -36,8 +40,9 @@ import bisect
 import heapq
 import itertools
 import math
-from collections import OrderedDict
-from typing import Iterable, Sequence
+from time import monotonic
+from collections import OrderedDict, deque
+from typing import Callable, Iterable, Sequence
 
 from kvctl.daemon.engine.tenant_book import TenantBook
 
@@ -45,6 +50,8 @@ SPACE = 2 ** 64  # the top 64 bits of a chain key
 TIMES = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)  # the sizes kvd reports, as multiples of its device's blocks
 EXACT_KEYS = 32_768  # the most recent keys, all kept: sizes up to this many blocks are exact
 SAMPLED_KEYS = 16_384  # older keys kept at most, sampled (about 15 MiB in all)
+WINDOWS = (300, 3600)  # the recent windows kvd reports, in seconds
+MARK_EVERY = 60.0  # seconds between the marks recent windows are measured from
 
 
 def sizes_for(device_blocks: int, times: Sequence[float] = TIMES,
@@ -100,11 +107,19 @@ class _Marks:
         return self.total - through
 
 
+class _Row:
+    """A row of counts (the curve's totals, a tenant's): estimated blocks by the first size that
+    holds them (one slot per size, then one for none), then these, from the end."""
+    LOOKED, PROMPTS, TOKENS, SERVED = -4, -3, -2, -1  # blocks looked up, prompts, their tokens, tokens kvd served
+    WIDTH = 5  # the slot for blocks no size holds, and the four above
+
+
 class HitCurve:
     """Estimated hit blocks of an LRU cache at each of `sizes` (blocks; None: unbounded)."""
 
     def __init__(self, sizes: Sequence[tuple[str, int | None]], exact_keys: int = EXACT_KEYS,
-                 sampled_keys: int = SAMPLED_KEYS, tenants: int | None = None) -> None:
+                 sampled_keys: int = SAMPLED_KEYS, tenants: int | None = None,
+                 clock: Callable[[], float] = monotonic) -> None:
         for name, value in (("exact_keys", exact_keys), ("sampled_keys", sampled_keys)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a whole number of at least 1, got {value!r}")
@@ -114,19 +129,20 @@ class HitCurve:
             raise ValueError(f"sizes: must ascend, got {[blocks for _, blocks in sizes]!r}")
         self.exact_keys, self.sampled_keys = exact_keys, sampled_keys
         self.threshold = SPACE  # an older key is kept while its hash is under this
-        self._held_from = [0.0] * (len(sizes) + 1)  # estimated blocks by the first size that holds them (last: none)
-        self.looked_blocks = 0.0  # estimated blocks looked up (the chains' full blocks)
-        self.prompts = 0
-        self.prompt_tokens = 0  # every token of the prompts looked up, as kvd counts them
+        # the counts (a row, laid out as _Row says): since the start, and as they stood a minute apart
+        # for the last hour (the first as the curve began), so a recent window is their difference
+        self._totals = [0.0] * (len(sizes) + _Row.WIDTH)
+        self.clock = clock
+        self._marks: deque[tuple[float, list[float]]] = deque([(clock(), list(self._totals))],
+                                                             maxlen=int(max(WINDOWS) // MARK_EVERY) + 1)
         self._recent: OrderedDict[bytes, int] = OrderedDict()  # the most recent keys -> last use, oldest first
         self._sampled: dict[bytes, int] = {}  # older keys kept -> last use
         self._by_hash: list[tuple[int, bytes]] = []  # max-heap (negated) of the sampled keys' hashes (some stale)
         self._span = 4 * (exact_keys + sampled_keys)  # times before they are renumbered
         self._recent_marks, self._sampled_marks = _Marks(self._span), _Marks(self._span)
         self._now = 0
-        # per tenant (None: not followed): estimated blocks by the first size that holds them, then
-        # the blocks looked up, the prompts and their tokens (the book retires the least recently active)
-        self.tenants = None if tenants is None else TenantBook(tenants, width=len(sizes) + 4)
+        # per tenant (None: not followed), rows like the totals' (the book retires the least recently active)
+        self.tenants = None if tenants is None else TenantBook(tenants, width=len(self._totals))
 
     @property
     def rate(self) -> float:
@@ -136,20 +152,38 @@ class HitCurve:
     @property
     def hit_blocks(self) -> list[float]:
         """Estimated hit blocks at each size: those held from it or from a smaller one."""
-        return list(itertools.accumulate(self._held_from[:-1]))
+        return list(itertools.accumulate(self._totals[:len(self.sizes)]))
+
+    @property
+    def looked_blocks(self) -> float:
+        """Estimated blocks looked up (the chains' full blocks)."""
+        return self._totals[_Row.LOOKED]
+
+    @property
+    def prompts(self) -> int:
+        return round(self._totals[_Row.PROMPTS])
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Every token of the prompts looked up, as kvd counts them."""
+        return round(self._totals[_Row.TOKENS])
 
     @property
     def tracked(self) -> int:
         return len(self._recent) + len(self._sampled)
 
-    def look(self, keys: Sequence[bytes], prompt_tokens: int, tenant: str | None = None) -> None:
-        """A prompt of `prompt_tokens` tokens is admitted (for `tenant`); `keys` are the chain keys of
-        the full blocks it may take from the cache, root first."""
-        self.prompts += 1
-        self.prompt_tokens += prompt_tokens
+    def look(self, keys: Sequence[bytes], prompt_tokens: int, tenant: str | None = None,
+             served_tokens: int = 0) -> None:
+        """A prompt of `prompt_tokens` tokens is admitted (for `tenant`), of which kvd's cache served
+        `served_tokens`; `keys` are the chain keys of the full blocks it may take from the cache,
+        root first."""
+        now = self.clock()
+        if now - self._marks[-1][0] >= MARK_EVERY:
+            self._marks.append((now, list(self._totals)))
+        totals = self._totals
+        rows = [totals] if tenant is None or self.tenants is None else [totals, self.tenants.row(tenant)]
         chain, looked = 0.0, 0.0  # the largest distance of the chain so far; the blocks it counts for
-        sizes, held_from, use = self.sizes, self._held_from, self._use
-        row = None if tenant is None or self.tenants is None else self.tenants.row(tenant)
+        sizes, use = self.sizes, self._use
         for key in keys:
             distance, weight = use(key)
             if distance > chain:
@@ -157,14 +191,13 @@ class HitCurve:
             if weight:
                 looked += weight
                 first = bisect.bisect_right(sizes, chain)  # the first size over the chain's distance
-                held_from[first] += weight
-                if row is not None:
+                for row in rows:
                     row[first] += weight
-        self.looked_blocks += looked
-        if row is not None:
-            row[-3] += looked
-            row[-2] += 1
-            row[-1] += prompt_tokens
+        for row in rows:
+            row[_Row.LOOKED] += looked
+            row[_Row.PROMPTS] += 1
+            row[_Row.TOKENS] += prompt_tokens
+            row[_Row.SERVED] += served_tokens
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Blocks a sequence wrote and the cache keeps (a reply's): used, not counted."""
@@ -172,29 +205,40 @@ class HitCurve:
             self._use(key)
 
     def figures(self, block_size: int) -> dict:
-        """Plain data for /admin/status and /metrics: each size's estimated hit tokens, and up to
-        how many blocks the figures are exact."""
+        """Plain data for /admin/status and /metrics: each size's estimated hit tokens since the
+        start, what kvd served of the same prompts, and up to how many blocks the figures are exact;
+        `recent`: the same over each of WINDOWS, as far back as the curve goes (`seconds`: the span
+        the figures cover, within a minute of the window's)."""
+        now = self.clock()
+        recent = []
+        for window in WINDOWS:
+            # the latest mark at least `window` old, or the first one: the curve is younger than it
+            at, then = next((mark for mark in reversed(self._marks) if now - mark[0] >= window), self._marks[0])
+            recent.append({"window": window, "seconds": round(now - at, 1),
+                           **self._figures([a - b for a, b in zip(self._totals, then)], block_size, sizes=True)})
         return {"exact_blocks": self.exact_keys, "sample_rate": self.rate, "tracked_keys": self.tracked,
-                "prompts": self.prompts, "prompt_tokens": self.prompt_tokens,
-                "looked_tokens": round(self.looked_blocks * block_size),
-                "sizes": [{"times": label, "blocks": None if blocks == math.inf else blocks,
-                           "hit_tokens": round(hit * block_size)}
-                          for label, blocks, hit in zip(self.labels, self.sizes, self.hit_blocks)]}
+                **self._figures(self._totals, block_size, sizes=True), "recent": recent}
 
     def tenant_figures(self, block_size: int) -> dict | None:
         """Plain data for /admin/tenants (None: tenants not followed): each followed tenant's
-        prompts, tokens and estimated hit tokens at each size (keyed by its label), and the same
-        summed over the tenants retired from the book."""
+        prompts, tokens, what kvd served it and estimated hit tokens at each size (keyed by its
+        label), and the same summed over the tenants retired from the book."""
         if self.tenants is None:
             return None
+        return {"tenants": {tenant: self._figures(row, block_size) for tenant, row in self.tenants.items()},
+                "retired": {"tenants": self.tenants.retired_tenants, **self._figures(self.tenants.retired, block_size)}}
 
-        def figures(row: list[float]) -> dict:
-            hits = itertools.accumulate(row[:len(self.sizes)])
-            return {"prompts": round(row[-2]), "prompt_tokens": round(row[-1]),
-                    "looked_tokens": round(row[-3] * block_size),
-                    "hit_tokens": {label: round(hit * block_size) for label, hit in zip(self.labels, hits)}}
-        return {"tenants": {tenant: figures(row) for tenant, row in self.tenants.items()},
-                "retired": {"tenants": self.tenants.retired_tenants, **figures(self.tenants.retired)}}
+    def _figures(self, row: list[float], block_size: int, sizes: bool = False) -> dict:
+        """A row's counts as figures: hit tokens by size, as a list of sizes (`sizes`) or by label."""
+        hits = [round(hit * block_size) for hit in itertools.accumulate(row[:len(self.sizes)])]
+        out = {"prompts": round(row[_Row.PROMPTS]), "prompt_tokens": round(row[_Row.TOKENS]),
+               "served_tokens": round(row[_Row.SERVED]), "looked_tokens": round(row[_Row.LOOKED] * block_size)}
+        if sizes:
+            out["sizes"] = [{"times": label, "blocks": None if blocks == math.inf else blocks, "hit_tokens": hit}
+                            for label, blocks, hit in zip(self.labels, self.sizes, hits)]
+        else:
+            out["hit_tokens"] = dict(zip(self.labels, hits))
+        return out
 
     # ---- reuse distances -------------------------------------------------------------------
     def _use(self, key: bytes) -> tuple[float, float]:

@@ -199,7 +199,7 @@ class Engine:
         self.format_blocks = self._format_blocks()
         if settings.hit_curve:  # what other sizes would have served
             self.cache.hit_curve = HitCurve(sizes_for(settings.num_blocks, extra=self.format_blocks.values()),
-                                            tenants=settings.max_tracked_tenants)
+                                            tenants=settings.max_tracked_tenants, clock=clock)
         self.events = EventLog()  # every block indexed in or dropped from a tier, for routers and operators
         self.prefill_rate = RateMeter(rate=2000.0)  # prompt tokens per second, measured on prefill steps
         self.cache.pool.events = self.events
@@ -962,7 +962,7 @@ class Engine:
                 self.stats.hit_tokens += admission.hit_tokens
                 if self.cache.hit_curve is not None:
                     self.cache.hit_curve.look(keys[:self.cache.cacheable_blocks(len(tokens))] if reuse else (),
-                                              len(tokens), request.tenant)
+                                              len(tokens), request.tenant, admission.hit_tokens)
                 self.stats.restored_tokens += restored
                 by_tenant[PROMPT] += len(tokens)
                 by_tenant[HIT] += admission.hit_tokens

@@ -361,13 +361,13 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
 
 
 def add_curve_figures(into: dict | None, figures: dict) -> dict:
-    """Hit-curve figures (prompts, tokens, hit tokens by size) added to `into` (None: none yet)."""
+    """Hit-curve figures (prompts, tokens, what kvd served, hit tokens by size) added to `into` (None: none yet)."""
     if into is None:
-        into = {"prompts": 0, "prompt_tokens": 0, "looked_tokens": 0, "hit_tokens": {}}
+        into = {"prompts": 0, "prompt_tokens": 0, "served_tokens": 0, "looked_tokens": 0, "hit_tokens": {}}
     hits = dict(into["hit_tokens"])
     for times, tokens in figures["hit_tokens"].items():
         hits[times] = hits.get(times, 0) + tokens
-    return {**{key: into[key] + figures[key] for key in ("prompts", "prompt_tokens", "looked_tokens")},
+    return {**{key: into[key] + figures[key] for key in ("prompts", "prompt_tokens", "served_tokens", "looked_tokens")},
             "hit_tokens": hits}
 
 

@@ -92,7 +92,8 @@ def list_tenants(service: EngineService) -> dict:
 
 def _no_prompts(sizes: list[dict]) -> dict:
     """The hit curve's figures of a tenant with no prompt since the curve's book took it in."""
-    return {"prompts": 0, "prompt_tokens": 0, "looked_tokens": 0, "hit_tokens": {row["times"]: 0 for row in sizes}}
+    return {"prompts": 0, "prompt_tokens": 0, "served_tokens": 0, "looked_tokens": 0,
+            "hit_tokens": {row["times"]: 0 for row in sizes}}
 
 
 def _lower_use(tiers, held: dict[str, dict[str, int]], tenant: str) -> dict:
