@@ -4,7 +4,8 @@ An expression is parsed with `promql_parser` (Prometheus's grammar) and evaluate
 scrape: a selector reads the second; `rate` and `increase` over a range read the change from the
 first to the second (no extrapolation, and a series the first scrape lacked has no rate, as in
 Prometheus, which needs two samples); `time()` is the second scrape's time. Supported: selectors with any matcher, `rate`, `increase`,
-`sum`/`max`/`min`/`count` with `by` or `without`, arithmetic, comparisons (filtering, not `bool`),
+`sum`/`max`/`min`/`count` with `by` or `without`, arithmetic (with `on`/`ignoring`, and `group_left`),
+comparisons (filtering, not `bool`),
 `and`/`or`/`unless` with `on`/`ignoring`, parentheses and unary minus. Anything else (`offset`,
 `histogram_quantile`, ...) raises `Unsupported`; such rules are checked only for the names they
 use. Series carry the target labels Prometheus adds at a scrape (`job`, `instance`).
@@ -150,6 +151,9 @@ class Scrapes:
                     out[labels] = got
             return out
         by_key = {_match_key(labels, modifier): value for labels, value in right.items()}
+        many_to_one = modifier is not None and str(modifier.card).endswith("ManyToOne")  # group_left
+        if modifier is not None and str(modifier.card).endswith("OneToMany"):
+            raise Unsupported("group_right")
         out = {}
         for labels, value in left.items():
             key = _match_key(labels, modifier)
@@ -160,7 +164,7 @@ class Scrapes:
                 if got:
                     out[labels] = value
             else:
-                out[key if modifier is not None else labels] = got
+                out[labels if many_to_one or modifier is None else key] = got  # group_left keeps the left's
         return out
 
 

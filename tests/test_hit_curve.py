@@ -246,3 +246,15 @@ def test_recent_windows_are_the_counts_since_the_mark_a_window_old_or_since_the_
     assert (five["seconds"], five["prompts"]) == (360.0, 6)  # a mark is made before its prompt counts
     assert (hour["seconds"], hour["prompts"]) == (3600.0, 51)
     assert len(curve._marks) == 61
+
+
+def test_whole_hit_tokens_round_down_so_that_a_retired_sum_never_counts_fewer_than_its_parts():
+    curve = HitCurve([("1", 4), ("2", 8), ("inf", None)], tenants=2)
+    a, b = [0.6, 0.3, 0.0] + [0.0] * 5, [0.7, 0.2, 0.5] + [0.0] * 5
+    assert (curve.whole_hit_tokens(a, "1", 16), curve.whole_hit_tokens(a, "2", 16)) == (0, 0)
+    assert (curve.whole_hit_tokens(b, "2", 16), curve.whole_hit_tokens(b, "inf", 16)) == (0, 16)
+    both = [x + y for x, y in zip(a, b)]  # a tenant's row added to the retired sum
+    for label in ("1", "2", "inf"):
+        assert curve.whole_hit_tokens(both, label, 16) >= curve.whole_hit_tokens(a, label, 16) \
+            + curve.whole_hit_tokens(b, label, 16)
+    assert curve.whole_hit_tokens(both, "2", 16) == 16

@@ -191,6 +191,11 @@ def test_each_tenant_s_part_of_the_curve_in_admin_tenants_and_kvctl_hit_curve(tm
         sizes = call(app, "GET", "/admin/status").json()["hit_curve"]["sizes"]
         whole = {row["times"]: row["hit_tokens"] for row in sizes}
         assert {t: acme["hit_tokens"][t] + globex["hit_tokens"][t] for t in whole} == whole
+        metrics = call(app, "GET", "/metrics").text  # acme has a series of its own, globex is summed under "*"
+        series = dict(re.findall(r'^kvd_tenant_hit_curve_hit_tokens_total\{(tenant="[^"]*",times="[^"]*")\} (\S+)$',
+                                 metrics, re.MULTILINE))
+        assert series == {'tenant="*",times="1"': "0.0", 'tenant="acme",times="1"': "64.0",
+                          'tenant="*",times="2"': "0.0", 'tenant="acme",times="2"': "64.0"}
         with served_on(app, str(tmp_path / "served.sock")) as path:
             status, out, err = cli(capsys, "--socket", path, "hit-curve", "--tenants")
             assert status == 0, err
@@ -414,3 +419,43 @@ def test_a_full_window_says_so_and_an_older_kvd_keeps_none():
     status["hit_curve"] = since_start  # a kvd from before the windows (and served_tokens)
     assert drawn("1h") == ["this kvd keeps no recent hit curve (it is older than kvctl hit-curve --last)"]
     assert "kvd served 48.0% in fact (480 tokens)" in " ".join(drawn(None))
+
+
+def test_the_dashboard_s_hit_curve_panels_read_what_kvctl_hit_curve_shows(tmp_path):
+    """The Grafana panels' PromQL on two scrapes of a real kvd: each size's hit ratio, and each
+    tenant's at 1x and 2x beside what kvd served it (the 6 h range is the scrapes' interval)."""
+    from pathlib import Path
+
+    from .promql_eval import Scrapes, samples
+
+    dashboard = json.loads((Path(__file__).parent.parent / "examples" / "grafana" / "kvd.json").read_text())
+    panels = {panel["title"].split(":")[0]: panel for panel in dashboard["panels"]}
+    service = start_service(tmp_path, num_blocks=64, max_tenant_metric_series=1)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        complete(app, [99] * 5, "acme")  # shorter than a block: every series shows, nothing is cached
+        complete(app, [98] * 5, "globex")
+
+        def scrape():
+            return samples(call(app, "GET", "/metrics").text, job="kvd", instance="kvd-0:8000")
+
+        before = scrape()
+        a_b_c_a(app, tenants=("acme", "globex", "globex", "acme"))
+        scrapes = Scrapes(before, scrape())
+
+        def evaluated(panel, ref):
+            expr = next(t["expr"] for t in panels[panel]["targets"] if t["refId"] == ref)
+            return {tuple(sorted((k, v) for k, v in labels if k in ("tenant", "times"))): round(value, 4)
+                    for labels, value in scrapes.evaluate(expr.replace("$instance", ".*")).items()}
+
+        curve = evaluated("Hit curve", "A")
+        assert curve[(("times", "0.125"),)] == 0.0 and curve[(("times", "1"),)] == round(64 / 284, 4)
+        assert len(curve) == 11
+        assert evaluated("Hit curve", "B") == {(): round(64 / 284, 4)}
+        acme = round(64 / 142, 4)  # globex, summed under "*", had no hit at either size
+        assert evaluated("Hit curve by tenant", "A") == {
+            (("tenant", "acme"), ("times", "1")): acme, (("tenant", "acme"), ("times", "2")): acme,
+            (("tenant", "*"), ("times", "1")): 0.0, (("tenant", "*"), ("times", "2")): 0.0}
+        assert evaluated("Hit curve by tenant", "B") == {(("tenant", "acme"),): acme, (("tenant", "*"),): 0.0}
+    finally:
+        service.shutdown(deadline=2)

@@ -228,6 +228,12 @@ class HitCurve:
         return {"tenants": {tenant: self._figures(row, block_size) for tenant, row in self.tenants.items()},
                 "retired": {"tenants": self.tenants.retired_tenants, **self._figures(self.tenants.retired, block_size)}}
 
+    def whole_hit_tokens(self, row: list[float], label: str, block_size: int) -> int:
+        """A row's (a tenant's of `tenants.items()`, or the retired ones' sum) estimated hit tokens at
+        the size `label`, whole tokens rounded down: a sum of two rows never counts fewer than the two,
+        so a counter that sums tenants as they retire never falls."""
+        return math.floor(sum(row[:self.labels.index(label) + 1])) * block_size
+
     def _figures(self, row: list[float], block_size: int, sizes: bool = False) -> dict:
         """A row's counts as figures: hit tokens by size, as a list of sizes (`sizes`) or by label."""
         hits = [round(hit * block_size) for hit in itertools.accumulate(row[:len(self.sizes)])]

@@ -18,6 +18,8 @@
     kvd_kv_transfer_blocks_total{direction}   their blocks written to Redis (published) or read from it (fetched)
     kvd_kv_transfer_seconds_total{side}       and the time those took, summed (over the requests: the mean)
     kvd_tenant_prompt_tokens_total{tenant}    prompt tokens per tenant, and kvd_tenant_hit_tokens_total{tenant}
+    kvd_tenant_hit_curve_hit_tokens_total{tenant,times}  what one LRU cache of 1 and 2 times the device's blocks,
+                                              shared by every tenant, would have served each tenant (hit_curve.py)
     kvd_tenant_cached_blocks{tenant}          device blocks holding a tenant's cached prefixes
     kvd_tenant_rejected_requests_total{tenant} requests turned away per tenant, any reason (tenant_queue_waits,
                                               tenant_request_limits and priorities decide whose)
@@ -132,6 +134,7 @@ from .status_body import cache_format
 BUILD_LABELS = ("version", "python", "torch", "cuda", "triton", "tokenizers", "llguidance")
 
 # disaggregated prefill and decode (kv_transfer.py): (family, help, label, ((label value, TransferBook key), ...))
+TENANT_CURVE_TIMES = ("1", "2")  # the sizes kvd_tenant_hit_curve_hit_tokens names: the device's blocks, twice them
 TRANSFER_FAMILIES = (
     ("kvd_kv_transfer_requests", "Prompts of disaggregated requests: prefill (computed here for a decode kvd) or "
      "decode (decoded here after a prefill kvd)", "side", (("prefill", "prefills"), ("decode", "decodes"))),
@@ -156,6 +159,20 @@ def _speculation_metrics(figures: dict):
     for position, value in enumerate(figures["accepted_per_position"]):
         per_position.add_metric([str(position)], value)
     yield per_position
+
+
+def tenant_hit_curve_family(labels, curve, rows: list, retired: list, block_size: int) -> CounterMetricFamily:
+    """Per tenant, what the shared LRU cache over the device's blocks and over twice them would have
+    served (TENANT_CURVE_TIMES; cache/hit_curve.py's tenant rows), folded as the other tenant families."""
+    family = CounterMetricFamily("kvd_tenant_hit_curve_hit_tokens", "Prompt tokens of a tenant that an LRU cache "
+                                 "of `times` the device's blocks, shared by every tenant, would have served (over "
+                                 "kvd_tenant_prompt_tokens_total: its hit ratio there)", labels=["tenant", "times"])
+    for times in TENANT_CURVE_TIMES:
+        if times in curve.labels:
+            tokens = [(tenant, curve.whole_hit_tokens(row, times, block_size)) for tenant, row in rows]
+            for label, value in labels.fold(tokens, curve.whole_hit_tokens(retired, times, block_size)):
+                family.add_metric([label, times], value)
+    return family
 
 
 def hit_curve_families(curve: dict):
@@ -199,6 +216,9 @@ class _EngineCollector:
                 window_released = engine.cache.window_released
                 curve = None if engine.cache.hit_curve is None else engine.cache.hit_curve.figures(
                     engine.cache.block_size)
+                hit_curve = engine.cache.hit_curve  # (its tenants' rows copied here, read after the lock)
+                curve_rows = None if hit_curve is None or hit_curve.tenants is None else (
+                    hit_curve.tenants.items(), list(hit_curve.tenants.retired))
                 now = engine.clock()
                 ages = [now - s.request.metrics.arrival for s in engine.waiting()]
                 pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
@@ -327,6 +347,8 @@ class _EngineCollector:
             hit.add_metric([label], value)
         yield prompt
         yield hit
+        if curve_rows is not None:
+            yield tenant_hit_curve_family(labels, hit_curve, *curve_rows, engine.cache.block_size)
         lost = CounterMetricFamily("kvd_tenant_evicted_blocks", "A tenant's cached blocks evicted to make room, "
                                    "per tenant", labels=["tenant"])
         for label, value in labels.fold(((tenant, counts[EVICTED]) for tenant, counts in by_tenant), retired[EVICTED]):
