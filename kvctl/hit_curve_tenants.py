@@ -46,7 +46,7 @@ def render_tenant_curve(body: dict, tenant: str):
     what kvd served the tenant in fact."""
     row = tenant_row(body, tenant)
     curve, sizes = row["hit_curve"], body["hit_curve"]["sizes"]
-    if not curve["prompt_tokens"]:
+    if not curve or not curve["prompt_tokens"]:  # (None: at kvd router, only replicas older than the curve had it)
         return Text(f"no prompt of {tenant!r} counted by the hit curve yet")
     fleet = "replicas" in body
     table = compact_table("cache", "blocks", "hit tokens", "hit ratio", "")
@@ -68,7 +68,8 @@ def render_tenant_curve(body: dict, tenant: str):
     notes = where_it_flattens(smallest_enough(sizes, curve["hit_tokens"], curve["prompt_tokens"]), sizes[0], blocks)
     notes.append(f"kvd served {tenant!r} {curve['served_tokens'] / curve['prompt_tokens']:.1%} in fact "
                  f"({curve['served_tokens']:,} tokens), under its eviction policy, shares, pins and lower tiers")
-    return Group(Text(escape(heading)), table, *(Text(escape(note), style="dim") for note in notes))
+    missing = [Text(body["message"], style="yellow")] if body.get("message") else []  # replicas that did not answer
+    return Group(Text(escape(heading)), table, *missing, *(Text(escape(note), style="dim") for note in notes))
 
 
 def render_tenant_curves(body: dict, top: int):
@@ -76,7 +77,7 @@ def render_tenant_curves(body: dict, top: int):
     of a few sizes; then who would gain most from twice the blocks, and who kvd served under LRU."""
     _require_curve(body)
     sizes = [size for size in body["hit_curve"]["sizes"] if size["times"] in COLUMNS]
-    counted = sorted((row for row in body["tenants"] if row["hit_curve"]["prompt_tokens"]),
+    counted = sorted((row for row in body["tenants"] if row["hit_curve"] and row["hit_curve"]["prompt_tokens"]),
                      key=lambda row: (-row["hit_curve"]["prompt_tokens"], row["tenant"]))
     if not counted:
         return Text("no tenant's prompt counted by the hit curve yet")
@@ -92,8 +93,11 @@ def render_tenant_curves(body: dict, top: int):
         column.justify = "right"
     keep_whole(table, 0)
     fit_cells(table, *range(1, len(table.columns)))
-    parts = [Text("What one LRU cache of each size (times the device's blocks, shared by every tenant) would have "
-                  "served each tenant's prompts, beside what kvd served:"), table]
+    whose = "each replica's blocks, their figures summed" if "replicas" in body else "the device's blocks"
+    parts = [Text(f"What one LRU cache of each size (times {whose}, shared by every tenant) would have served each "
+                  "tenant's prompts, beside what kvd served:"), table]
+    if body.get("message"):  # at kvd router: the replicas that did not answer
+        parts.append(Text(body["message"], style="yellow"))
     notes = []
     if len(counted) > len(shown):
         more = len(counted) - len(shown)

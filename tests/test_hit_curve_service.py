@@ -317,7 +317,7 @@ def test_kvd_router_sums_each_tenant_s_curve_over_the_sizes_every_replica_has():
     from rich.console import Console
 
     from kvctl.daemon.server.fleet_admin import merge_tenant_lists
-    from kvctl.hit_curve_tenants import render_tenant_curve
+    from kvctl.hit_curve_tenants import render_tenant_curve, render_tenant_curves
 
     def replica(rows, sizes, retired_tenants):
         return 200, {"tenants": rows, "blocks": 100, "hit_curve": {
@@ -332,7 +332,8 @@ def test_kvd_router_sums_each_tenant_s_curve_over_the_sizes_every_replica_has():
                   "hit_curve": {**tenant("acme", 500, 100, [0, 100, 200, 200, 250])["hit_curve"],
                                 "hit_tokens": {"0.5": 0, "1": 100, "2": 200, "3.9": 200, "4": 200, "inf": 250}}}],
                 with_format, 1),
-        (200, {"tenants": [{"tenant": "acme", "prompt_tokens": 7, "hit_tokens": 7}], "blocks": 100}),  # older kvd
+        (200, {"tenants": [{"tenant": "acme", "prompt_tokens": 7, "hit_tokens": 7},  # an older kvd
+                           {"tenant": "initech", "prompt_tokens": 9, "hit_tokens": 0}], "blocks": 100}),
         (None, {"error": "connection refused"})])
     assert status == 200
     assert body["hit_curve"]["sizes"] == [{"times": "0.5", "blocks": 100}, {"times": "1", "blocks": 200},
@@ -341,7 +342,8 @@ def test_kvd_router_sums_each_tenant_s_curve_over_the_sizes_every_replica_has():
     assert body["hit_curve"]["retired"] == {"tenants": 3, "prompts": 2, "prompt_tokens": 20, "served_tokens": 4,
                                             "looked_tokens": 16,
                                             "hit_tokens": {"0.5": 8, "1": 8, "2": 8, "3.9": 4, "4": 8, "inf": 8}}
-    (acme,) = body["tenants"]
+    acme, initech = body["tenants"]
+    assert initech["hit_curve"] is None  # only the older replica had it
     assert acme["prompt_tokens"] == 1_507 and acme["hit_tokens"] == 407
     assert acme["hit_curve"] == {"prompts": 6, "prompt_tokens": 1_500, "served_tokens": 400, "looked_tokens": 1_500,
                                  "hit_tokens": {"0.5": 100, "1": 500, "2": 1_100, "3.9": 200, "4": 1_150,
@@ -354,6 +356,16 @@ def test_kvd_router_sums_each_tenant_s_curve_over_the_sizes_every_replica_has():
     assert "2x 400 1,100 73.3% ███████████████" in lines
     assert not any(line.startswith("3.9x") for line in lines)
     assert "kvd served 'acme' 26.7% in fact (400 tokens)" in " ".join(lines)
+    assert "not listed: r3 (connection refused)" in lines
+    console = Console(width=100, record=True)
+    console.print(render_tenant_curves(body, top=0))
+    lines = [" ".join(line.split()) for line in console.export_text().splitlines()]
+    assert lines[0].startswith("What one LRU cache of each size (times each replica's blocks, their figures summed,")
+    assert [line.split()[0] for line in lines if line.startswith(("acme", "initech"))] == ["acme"]
+    assert "not listed: r3 (connection refused)" in lines
+    console = Console(width=100, record=True)
+    console.print(render_tenant_curve(body, "initech"))
+    assert console.export_text().strip() == "no prompt of 'initech' counted by the hit curve yet"
     _, none = merge_tenant_lists(["r0"], [(200, {"tenants": [{"tenant": "acme", "prompt_tokens": 1, "hit_tokens": 0}],
                                                  "blocks": 8})])
     assert none["hit_curve"] is None and none["tenants"][0]["hit_curve"] is None

@@ -40,8 +40,8 @@ import bisect
 import heapq
 import itertools
 import math
-from time import monotonic
 from collections import OrderedDict, deque
+from time import monotonic
 from typing import Callable, Iterable, Sequence
 
 from kvctl.daemon.engine.tenant_book import TenantBook

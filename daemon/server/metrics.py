@@ -133,8 +133,8 @@ from .status_body import cache_format
 # kvd_build_info's labels: software_versions' keys, kvd's own as "version" (the usual build_info label)
 BUILD_LABELS = ("version", "python", "torch", "cuda", "triton", "tokenizers", "llguidance")
 
-# disaggregated prefill and decode (kv_transfer.py): (family, help, label, ((label value, TransferBook key), ...))
 TENANT_CURVE_TIMES = ("1", "2")  # the sizes kvd_tenant_hit_curve_hit_tokens names: the device's blocks, twice them
+# disaggregated prefill and decode (kv_transfer.py): (family, help, label, ((label value, TransferBook key), ...))
 TRANSFER_FAMILIES = (
     ("kvd_kv_transfer_requests", "Prompts of disaggregated requests: prefill (computed here for a decode kvd) or "
      "decode (decoded here after a prefill kvd)", "side", (("prefill", "prefills"), ("decode", "decodes"))),
