@@ -209,6 +209,9 @@ def serve(
     hit_curve: Optional[bool] = typer.Option(
         None, help="Follow each prompt block's reuse distance for `kvctl hit-curve`: what a cache of each size "
                    "would have served (about 5 us a block on the engine thread; default on)."),
+    hit_curve_tenants: Optional[str] = typer.Option(
+        None, help="Tenants the hit curve also follows alone, as in a cache share of their own, to size their "
+                   "shares by (kvctl hit-curve --tenant T; 8 at most; default: those tenant_cache_shares names)."),
     trace_key_file: Optional[str] = typer.Option(
         None, help="A secret file (32 bytes or more) keying the trace's block ids; give a fleet's replicas one, "
                    "and kvd router saves the fleet's trace (default: a key drawn at start)."),
@@ -286,6 +289,7 @@ def serve(
                    max_tenant_metric_series=max_tenant_metric_series, max_tracked_tenants=max_tracked_tenants,
                    pin_budget_blocks=pin_budget_blocks, pin_room_tokens=pin_room_tokens,
                    trace_requests=trace_requests, trace_key_file=trace_key_file, hit_curve=hit_curve,
+                   hit_curve_tenants=hit_curve_tenants,
                    trace_block_tokens=trace_block_tokens,
                    shutdown_timeout=shutdown_timeout, engine_stall_exit_seconds=engine_stall_exit_seconds,
                    model_name=model_name, remote_cache_bytes=remote_cache_bytes,
@@ -331,7 +335,8 @@ SERVE_HELP_PANELS = {
                                  "disk_compress", "remote_compress", "prefetch_policy", "prefetch_timeout",
                                  "prefetch_timeout_per_1k_tokens"),
     "Metrics and trace": ("metrics_aliases", "max_tenant_metric_series", "max_tracked_tenants", "trace_requests",
-                          "trace_key_file", "trace_block_tokens", "otlp_traces_endpoint", "hit_curve"),
+                          "trace_key_file", "trace_block_tokens", "otlp_traces_endpoint", "hit_curve",
+                          "hit_curve_tenants"),
 }
 
 

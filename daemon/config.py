@@ -18,6 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvctl.daemon.cache.hit_curve import MAX_ALONE
 from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TENANTS
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
 from kvctl.daemon.server.durations import parse_duration
@@ -32,7 +33,7 @@ from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.queue_order import QUEUE_ORDERS, by_priority
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation, parse_speculation
-from kvctl.policies.tenant_map import named_values, parse_tenant_map, priority_of, queue_wait_of
+from kvctl.policies.tenant_map import TENANT_NAME, named_values, parse_tenant_map, priority_of, queue_wait_of
 from kvctl.policies.tenant_shares import parse_shares
 from kvctl.policies.tiering import PREFETCH_POLICIES, TIER_CODECS, WRITE_POLICIES
 
@@ -341,6 +342,10 @@ class KvdConfig:
     # follow every prompt block's reuse distance for `kvctl hit-curve` (daemon/cache/hit_curve.py): about
     # 5 us a block on the engine thread and 15 MiB; false leaves it out (a restart applies it)
     hit_curve: bool = True
+    # tenants the hit curve also follows alone, as in a tenant cache share of their own, to size
+    # their shares by (`kvctl hit-curve --tenant T`; 8 at most, about 1-3 MiB each); none named:
+    # the first 8 tenant_cache_shares names
+    hit_curve_tenants: tuple[str, ...] = ()
     # a file holding the secret that keys the trace's block ids (at least 32 bytes); the replicas of
     # a fleet given one file trace equal prompts alike, so kvd router can save the fleet's trace.
     # None: a key kvd draws at start
@@ -383,6 +388,12 @@ def redact_url(url: Any) -> Any:
 
 METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its figures under
 
+def name_list(value: Any) -> tuple[str, ...]:
+    """Names from `a,b` (each stripped) or a YAML list, each once, in order; `none` or empty: none."""
+    names = value if isinstance(value, (list, tuple)) else (part.strip() for part in str(value).split(","))
+    return tuple(dict.fromkeys(str(name) for name in names if name and name != "none"))
+
+
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": size_in_bytes,
     "max_request_bytes": size_in_bytes, "responses_store_bytes": size_in_bytes, "responses_max_age": parse_duration,
@@ -397,6 +408,7 @@ _PARSERS = {
     "pin_budget_blocks": whole_number, "pin_room_tokens": whole_number, "shutdown_timeout": finite_number,
     "engine_stall_exit_seconds": finite_number,
     "gc_freeze": on_or_off, "gc_warn_seconds": finite_number, "hit_curve": on_or_off,
+    "hit_curve_tenants": name_list,
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
     "log_requests": on_or_off, "log_stats_interval": finite_number,
 
@@ -406,8 +418,7 @@ _PARSERS = {
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
     "tenant_queue_waits": lambda v: parse_tenant_map(v, queue_wait_of, "seconds", noun="queue wait"),
     "lora_modules": parse_lora_modules,
-    "metrics_aliases": lambda v: tuple(dict.fromkeys(
-        n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),
+    "metrics_aliases": name_list,
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
     "host_cache_bytes": size_in_bytes, "disk_cache_bytes": size_in_bytes, "remote_cache_bytes": size_in_bytes,
     "remote_timeout": finite_number,
@@ -469,6 +480,12 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"must be {', '.join(CACHED_TOKEN_REPORTS[:-1])} or {CACHED_TOKEN_REPORTS[-1]}")
     if name == "reservation":
         parse_reservation(value)
+    if name == "hit_curve_tenants":
+        bad = [n for n in value if not TENANT_NAME.fullmatch(n)]
+        if bad:
+            raise ValueError(f"tenant {bad[0]!r} is not a tenant name (letters, digits, . _ -)")
+        if len(value) > MAX_ALONE:
+            raise ValueError(f"at most {MAX_ALONE} tenants, got {len(value)}")
     if name == "metrics_aliases":
         unknown = [n for n in value if n not in METRIC_ALIAS_SETS]
         if unknown:

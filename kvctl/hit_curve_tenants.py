@@ -2,7 +2,8 @@
 prompt block against the tenant whose prompt looked it up (daemon/cache/hit_curve.py, `hit_curve`
 in each row of /admin/tenants): what the one shared LRU cache of each size would have served each
 tenant. Beside what kvd served the tenant in fact, it says who gains from more blocks, and what
-shares, priorities and pins cost or give each tenant against plain LRU."""
+shares, priorities and pins cost or give each tenant against plain LRU. A tenant kvd follows alone
+too (hit_curve_tenants) has a second table: what a cache share of its own would serve it, by size."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def tenant_row(body: dict, tenant: str) -> dict:
 def tenant_json(body: dict, tenant: str) -> dict:
     """What `--tenant T --json` prints: the curve's sizes and the tenant's figures (what kvd served it
     among them)."""
-    return {"tenant": tenant, "sizes": body["hit_curve"]["sizes"], "hit_curve": tenant_row(body, tenant)["hit_curve"]}
+    return {"tenant": tenant, "sizes": body["hit_curve"]["sizes"], "alone_sizes": body["hit_curve"].get("alone_sizes"),
+            "hit_curve": tenant_row(body, tenant)["hit_curve"]}
 
 
 def tenants_json(body: dict) -> dict:
@@ -69,7 +71,46 @@ def render_tenant_curve(body: dict, tenant: str):
     notes.append(f"kvd served {tenant!r} {curve['served_tokens'] / curve['prompt_tokens']:.1%} in fact "
                  f"({curve['served_tokens']:,} tokens), under its eviction policy, shares, pins and lower tiers")
     missing = [Text(body["message"], style="yellow")] if body.get("message") else []  # replicas that did not answer
-    return Group(Text(escape(heading)), table, *missing, *(Text(escape(note), style="dim") for note in notes))
+    return Group(Text(escape(heading)), table, *missing, *(Text(escape(note), style="dim") for note in notes),
+                 *_alone_part(body, row, tenant, blocks))
+
+
+def _alone_part(body: dict, row: dict, tenant: str, blocks: str) -> list:
+    """For a tenant followed alone: a row per share of the device's blocks, its own share's marked,
+    then the smallest share within a point of a cache of its own that never evicts."""
+    alone, sizes = row["hit_curve"].get("alone"), body["hit_curve"].get("alone_sizes") or []
+    if not alone or not alone["prompt_tokens"] or not sizes:
+        return []
+    share = row.get("share_blocks")  # None: no shares set
+    table = compact_table("share", "blocks", "hit tokens", "hit ratio", "")
+    marked = False
+    for size in sizes:
+        hits = alone["hit_tokens"][size["times"]]
+        ratio = hits / alone["prompt_tokens"]
+        mine = size["blocks"] is not None and size["blocks"] == share
+        marked = marked or mine
+        table.add_row("never evicts" if size["blocks"] is None else size["times"] + (" (its share)" if mine else ""),
+                      "-" if size["blocks"] is None else f"{size['blocks']:,}", f"{hits:,}", f"{ratio:.1%}",
+                      "█" * round(ratio * BAR), style="bold" if mine else None)
+    for column in table.columns[1:4]:
+        column.justify = "right"
+    fit_cells(table, 0, 1, 2, 3)
+    heading = (f"Alone, in a cache of its own of each share of {blocks} (tenant_cache_shares), the same "
+               f"{alone['prompts']:,} prompts of {tenant!r} would have been served (followed since kvd started or "
+               "since hit_curve_tenants named it):")
+    notes = []
+    enough = smallest_enough(sizes, alone["hit_tokens"], alone["prompt_tokens"])
+    if enough is not None:
+        notes.append(f"a share of {enough['times']} ({enough['blocks']:,} blocks) would serve {tenant!r} within "
+                     f"{NEAR * 100:g} point of a cache of its own that never evicts (tenant_cache_shares: "
+                     f"{tenant}={enough['times']})")
+    if share is None:
+        notes.append(f"{tenant!r} has no share now")
+    elif not marked:
+        notes.append(f"its share now: {share:,} blocks")
+    notes.append("a share keeps about that many of its idle blocks when others need room; the blocks its running "
+                 "requests hold count toward none")
+    return [Text(escape(heading)), table, *(Text(escape(note), style="dim") for note in notes)]
 
 
 def render_tenant_curves(body: dict, top: int):
@@ -108,6 +149,9 @@ def render_tenant_curves(body: dict, top: int):
                      f"{retired['prompt_tokens']:,} prompt tokens, LRU 1x "
                      f"{retired['hit_tokens'].get('1', 0) / retired['prompt_tokens']:.1%}")
     notes += _gain_notes(counted)
+    alone = [row["tenant"] for row in body["tenants"] if row["hit_curve"] and row["hit_curve"].get("alone")]
+    if alone:
+        notes.append(f"followed alone too, to size their shares by (kvctl hit-curve --tenant T): {', '.join(alone)}")
     return Group(*parts, *(Text(escape(note), style="dim") for note in notes))
 
 

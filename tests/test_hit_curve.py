@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 import pytest
 
-from kvctl.daemon.cache.hit_curve import SPACE, HitCurve, sizes_for
+from kvctl.daemon.cache.hit_curve import MAX_ALONE, SPACE, HitCurve, alone_tenants, sizes_for
 
 
 def key(name) -> bytes:
@@ -258,3 +258,45 @@ def test_whole_hit_tokens_round_down_so_that_a_retired_sum_never_counts_fewer_th
         assert curve.whole_hit_tokens(both, label, 16) >= curve.whole_hit_tokens(a, label, 16) \
             + curve.whole_hit_tokens(b, label, 16)
     assert curve.whole_hit_tokens(both, "2", 16) == 16
+
+
+def test_a_tenant_followed_alone_gets_the_curve_of_a_cache_of_its_own():
+    """Its own prompts and replies in an LRU cache of its own at shares of the device's blocks,
+    against one simulated block by block; the other tenants' blocks do not push its own out."""
+    curve = HitCurve(sizes_for(40), tenants=10)
+    curve.follow_alone(["acme"], device_blocks=40)
+    alone = curve.alone["acme"]
+    assert [(label, blocks) for label, blocks in zip(alone.labels, alone.sizes)] == [
+        ("0.0625", 2), ("0.125", 5), ("0.25", 10), ("0.5", 20), ("0.75", 30), ("1", 40), ("inf", float("inf"))]
+    caches = [LruPrefixCache(blocks) for blocks in (2, 5, 10, 20, 30, 40, None)]
+    rng = random.Random(11)
+    for prompt, reply in chains(rng, 400):
+        tenant = rng.choice(("acme", "globex"))
+        curve.look(prompt, 16 * len(prompt), tenant, served_tokens=16)
+        curve.touch(reply, tenant)
+        if tenant == "acme":
+            for cache in caches:
+                cache.look(prompt)
+                cache.touch(reply)
+    figures = curve.tenant_figures(16)
+    assert figures["alone"]["acme"]["hit_tokens"] == {
+        label: 16 * cache.hits for label, cache in zip(alone.labels, caches)}
+    assert figures["alone"]["acme"]["prompts"] == figures["tenants"]["acme"]["prompts"]
+    assert figures["alone"]["acme"]["served_tokens"] == figures["tenants"]["acme"]["served_tokens"]
+    assert figures["alone_sizes"][0] == {"times": "0.0625", "blocks": 2}
+    # alone, acme keeps more than in the cache it shares with globex at the same size
+    shared = figures["tenants"]["acme"]["hit_tokens"]
+    assert figures["alone"]["acme"]["hit_tokens"]["1"] >= shared["1"]
+    curve.follow_alone(["acme", "globex"], device_blocks=40)  # acme keeps its curve; globex starts one
+    assert curve.alone["acme"] is alone and curve.alone["globex"].prompts == 0
+    curve.follow_alone([], device_blocks=40)
+    assert curve.alone == {} and curve.tenant_figures(16)["alone_sizes"] == []
+    with pytest.raises(ValueError, match=f"hit_curve_tenants: at most {MAX_ALONE} tenants, got 9"):
+        curve.follow_alone([f"t{i}" for i in range(9)], device_blocks=40)
+
+
+def test_the_tenants_followed_alone_are_those_named_or_else_those_with_shares():
+    assert alone_tenants(("docs",), (("acme", 0.5), ("*", 0.5))) == ["docs"]
+    assert alone_tenants((), (("globex", 0.25), ("acme", 0.5), ("*", 0.25))) == ["acme", "globex"]
+    many = tuple((f"t{i:02d}", 0.01) for i in range(12))
+    assert alone_tenants((), many) == [f"t{i:02d}" for i in range(MAX_ALONE)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from kvctl.daemon.server.app import create_app
 
 from .daemon_fixtures import call, start_service
@@ -347,7 +349,7 @@ def test_kvd_router_sums_each_tenant_s_curve_over_the_sizes_every_replica_has():
     assert acme["prompt_tokens"] == 1_507 and acme["hit_tokens"] == 407
     assert acme["hit_curve"] == {"prompts": 6, "prompt_tokens": 1_500, "served_tokens": 400, "looked_tokens": 1_500,
                                  "hit_tokens": {"0.5": 100, "1": 500, "2": 1_100, "3.9": 200, "4": 1_150,
-                                                "inf": 1_210}}
+                                                "inf": 1_210}, "alone": None}
     console = Console(width=100, record=True)
     console.print(render_tenant_curve(body, "acme"))
     lines = [" ".join(line.split()) for line in console.export_text().splitlines()]
@@ -471,3 +473,97 @@ def test_the_dashboard_s_hit_curve_panels_read_what_kvctl_hit_curve_shows(tmp_pa
         assert evaluated("Hit curve by tenant", "B") == {(("tenant", "acme"),): acme, (("tenant", "*"),): 0.0}
     finally:
         service.shutdown(deadline=2)
+
+
+def test_a_tenant_followed_alone_shows_the_share_that_would_serve_it(tmp_path, capsys):
+    """tenant_cache_shares names acme, so the curve follows it alone: its second turn hits in a
+    cache of its own of 4 blocks (a share of 0.0625), where the cache it shares needed 16."""
+    from dataclasses import replace
+
+    from .test_cli import cli
+    from .test_health_checks import served_on
+
+    service = start_service(tmp_path, num_blocks=64, tenant_cache_shares="acme=0.5,*=0.5")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        a_b_c_a(app, tenants=("acme", "globex", "globex", "acme"))
+        body = call(app, "GET", "/admin/tenants").json()
+        assert body["hit_curve"]["alone_sizes"] == [
+            {"times": "0.0625", "blocks": 4}, {"times": "0.125", "blocks": 8}, {"times": "0.25", "blocks": 16},
+            {"times": "0.5", "blocks": 32}, {"times": "0.75", "blocks": 48}, {"times": "1", "blocks": 64},
+            {"times": "inf", "blocks": None}]
+        rows = {row["tenant"]: row for row in body["tenants"]}
+        alone = rows["acme"]["hit_curve"]["alone"]
+        assert (alone["prompts"], alone["prompt_tokens"], alone["served_tokens"]) == (2, 142, 64)
+        assert set(alone["hit_tokens"].values()) == {64}  # a's blocks, 3 of its own used since
+        assert rows["acme"]["hit_curve"]["hit_tokens"]["0.125"] == 0  # shared: globex's 8 blocks came between
+        assert rows["globex"]["hit_curve"]["alone"] is None
+        with served_on(app, str(tmp_path / "served.sock")) as path:
+            status, out, err = cli(capsys, "--socket", path, "hit-curve", "--tenant", "acme")
+            assert status == 0, err
+            lines = [" ".join(line.split()) for line in out.splitlines()]
+            text = " ".join(lines)
+            assert ("Alone, in a cache of its own of each share of the device's blocks (tenant_cache_shares), the "
+                    "same 2 prompts of 'acme' would have been served") in text
+            assert "0.0625 4 64 45.1% █████████" in lines
+            assert "0.5 (its share) 32 64 45.1% █████████" in lines
+            assert ("a share of 0.0625 (4 blocks) would serve 'acme' within 1 point of a cache of its own that never "
+                    "evicts (tenant_cache_shares: acme=0.0625)") in text
+            status, out, _ = cli(capsys, "--socket", path, "hit-curve", "--tenants")
+            assert "followed alone too, to size their shares by (kvctl hit-curve --tenant T): acme" \
+                in " ".join(out.split())
+            status, out, _ = cli(capsys, "--socket", path, "hit-curve", "--tenant", "acme", "--json")
+            answer = json.loads(out)
+            assert answer["hit_curve"]["alone"] == alone
+            assert answer["alone_sizes"][0] == {"times": "0.0625", "blocks": 4}
+            service.reload(replace(service.config, hit_curve_tenants=("globex", "initech")))
+            body = call(app, "GET", "/admin/tenants").json()
+            rows = {row["tenant"]: row for row in body["tenants"]}
+            assert rows["acme"]["hit_curve"]["alone"] is None  # no longer named: let go
+            assert rows["globex"]["hit_curve"]["alone"]["prompts"] == 0  # followed from now
+            assert rows["initech"]["hit_curve"]["alone"]["prompts"] == 0  # named: listed before any prompt
+            complete(app, [11] + [7] * 70, "globex")
+            status, out, _ = cli(capsys, "--socket", path, "hit-curve", "--tenant", "globex")
+            text = " ".join(out.split())
+            assert "the same 1 prompts of 'globex' would have been served" in text
+            assert "0.5 (its share) 32 0 0.0%" in [" ".join(line.split()) for line in out.splitlines()]  # "*"'s
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_hit_curve_tenants_is_checked_where_it_is_given():
+    from kvctl.daemon.config import ConfigError, resolve
+
+    assert resolve({"hit_curve_tenants": ["acme", "docs", "acme"]}, env={}).hit_curve_tenants == ("acme", "docs")
+    assert resolve({}, env={"KVD_HIT_CURVE_TENANTS": "acme, docs"}).hit_curve_tenants == ("acme", "docs")
+    with pytest.raises(ConfigError, match=r"hit_curve_tenants: invalid value .* at most 8 tenants, got 9"):
+        resolve({"hit_curve_tenants": [f"t{i}" for i in range(9)]}, env={})
+    with pytest.raises(ConfigError, match=r"hit_curve_tenants: invalid value .*tenant 'a b' is not a tenant name"):
+        resolve({"hit_curve_tenants": "acme,a b"}, env={})
+
+
+def test_kvd_router_sums_a_tenant_s_curve_alone_over_the_replicas_that_follow_it():
+    from kvctl.daemon.server.fleet_admin import merge_tenant_lists
+
+    alone_sizes = [{"times": "0.5", "blocks": 50}, {"times": "1", "blocks": 100}, {"times": "inf", "blocks": None}]
+
+    def replica(alone):
+        row = tenant("acme", 1_000, 300, [100, 400, 900, 950, 960])
+        row["hit_curve"]["alone"] = alone
+        return 200, {"tenants": [row], "blocks": 100, "hit_curve": {
+            "sizes": SIZES, "alone_sizes": alone_sizes if alone else [],
+            "retired": {"tenants": 0, "prompts": 0, "prompt_tokens": 0, "served_tokens": 0, "looked_tokens": 0,
+                        "hit_tokens": {}}}}
+
+    def alone(hits):
+        return {"prompts": 3, "prompt_tokens": 1_000, "served_tokens": 300, "looked_tokens": 900,
+                "hit_tokens": dict(zip(("0.5", "1", "inf"), hits))}
+
+    _, body = merge_tenant_lists(["r0", "r1", "r2"], [replica(alone([500, 800, 900])), replica(alone([100, 200, 300])),
+                                                      replica(None)])  # r2 does not follow acme alone
+    (acme,) = body["tenants"]
+    assert acme["hit_curve"]["alone"] == {"prompts": 6, "prompt_tokens": 2_000, "served_tokens": 600,
+                                          "looked_tokens": 1_800, "hit_tokens": {"0.5": 600, "1": 1_000, "inf": 1_200}}
+    assert acme["hit_curve"]["prompts"] == 9  # the shared curve: every replica's
+    assert body["hit_curve"]["alone_sizes"] == [{"times": "0.5", "blocks": 100}, {"times": "1", "blocks": 200},
+                                                {"times": "inf", "blocks": None}]

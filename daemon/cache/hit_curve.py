@@ -32,6 +32,11 @@ retires the others into one sum), the same curve split by whose prompt looked th
 the one shared LRU cache of each size would have served each tenant. Read beside what kvd served
 the tenant in fact, it says who gains from more blocks, and what shares and priorities cost or give
 each tenant against plain LRU.
+
+A few tenants are followed alone too (`follow_alone`: hit_curve_tenants, or those tenant_cache_shares
+names): their own prompts' and replies' blocks in an LRU cache of their own, at shares of the
+device's blocks (ALONE_FRACTIONS): what a tenant cache share of each size would serve the tenant,
+to size its share by.
 """
 
 from __future__ import annotations
@@ -51,7 +56,17 @@ TIMES = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)  # the sizes kvd reports, as 
 EXACT_KEYS = 32_768  # the most recent keys, all kept: sizes up to this many blocks are exact
 SAMPLED_KEYS = 16_384  # older keys kept at most, sampled (about 15 MiB in all)
 WINDOWS = (300, 3600)  # the recent windows kvd reports, in seconds
+ALONE_FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 0.75, 1)  # a tenant followed alone: shares of the device's blocks
+MAX_ALONE = 8  # tenants followed alone at most (about 1-3 MiB each)
+ALONE_EXACT_KEYS = 16_384  # a tenant alone: its most recent keys, all kept (its shares are exact up to this)
+ALONE_SAMPLED_KEYS = 2_048  # and older keys kept at most, sampled (for its never-evicting size)
 MARK_EVERY = 60.0  # seconds between the marks recent windows are measured from
+
+
+def alone_tenants(named: Sequence[str], shares: Sequence[tuple[str, float]]) -> list[str]:
+    """The tenants the curve follows alone: `named` (hit_curve_tenants), or else the first MAX_ALONE
+    that tenant_cache_shares names (by name; not `*`)."""
+    return list(named) if named else [tenant for tenant, _ in sorted(shares) if tenant != "*"][:MAX_ALONE]
 
 
 def sizes_for(device_blocks: int, times: Sequence[float] = TIMES,
@@ -143,6 +158,7 @@ class HitCurve:
         self._now = 0
         # per tenant (None: not followed), rows like the totals' (the book retires the least recently active)
         self.tenants = None if tenants is None else TenantBook(tenants, width=len(self._totals))
+        self.alone: dict[str, HitCurve] = {}  # tenant -> its prompts' curve in a cache of its own (follow_alone)
 
     @property
     def rate(self) -> float:
@@ -198,11 +214,28 @@ class HitCurve:
             row[_Row.PROMPTS] += 1
             row[_Row.TOKENS] += prompt_tokens
             row[_Row.SERVED] += served_tokens
+        alone = self.alone.get(tenant) if tenant is not None else None
+        if alone is not None:
+            alone.look(keys, prompt_tokens, served_tokens=served_tokens)
 
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Blocks a sequence wrote and the cache keeps (a reply's): used, not counted."""
+    def touch(self, keys: Iterable[bytes], tenant: str | None = None) -> None:
+        """Blocks a sequence (of `tenant`) wrote and the cache keeps (a reply's): used, not counted."""
+        alone = self.alone.get(tenant) if tenant is not None else None
+        if alone is not None:
+            keys = list(keys)
+            alone.touch(keys)
         for key in keys:
             self._use(key)
+
+    def follow_alone(self, tenants: Sequence[str], device_blocks: int) -> None:
+        """Follow each of `tenants` alone too, from now: its own prompts' and replies' blocks in an LRU
+        cache of its own, at each of ALONE_FRACTIONS of `device_blocks` (what a tenant cache share
+        that size would keep). A tenant followed already keeps its curve; one not named loses it."""
+        if len(tenants) > MAX_ALONE:
+            raise ValueError(f"hit_curve_tenants: at most {MAX_ALONE} tenants, got {len(tenants)}")
+        self.alone = {tenant: self.alone.get(tenant) or HitCurve(
+            sizes_for(device_blocks, ALONE_FRACTIONS), exact_keys=min(device_blocks, ALONE_EXACT_KEYS),
+            sampled_keys=ALONE_SAMPLED_KEYS, clock=self.clock) for tenant in dict.fromkeys(tenants)}
 
     def figures(self, block_size: int) -> dict:
         """Plain data for /admin/status and /metrics: each size's estimated hit tokens since the
@@ -225,8 +258,12 @@ class HitCurve:
         label), and the same summed over the tenants retired from the book."""
         if self.tenants is None:
             return None
+        sizes = next(iter(self.alone.values())).figures(block_size)["sizes"] if self.alone else []
         return {"tenants": {tenant: self._figures(row, block_size) for tenant, row in self.tenants.items()},
-                "retired": {"tenants": self.tenants.retired_tenants, **self._figures(self.tenants.retired, block_size)}}
+                "retired": {"tenants": self.tenants.retired_tenants, **self._figures(self.tenants.retired, block_size)},
+                # the tenants followed alone: their curves in caches of their own, at these shares' sizes
+                "alone": {tenant: curve._figures(curve._totals, block_size) for tenant, curve in self.alone.items()},
+                "alone_sizes": [{"times": row["times"], "blocks": row["blocks"]} for row in sizes]}
 
     def whole_hit_tokens(self, row: list[float], label: str, block_size: int) -> int:
         """A row's (a tenant's of `tenants.items()`, or the retired ones' sum) estimated hit tokens at

@@ -598,7 +598,7 @@ class KVCacheManager:
         now = self._clock()
         if self.hit_curve is not None:
             written = seq.num_tokens if written_tokens is None else min(written_tokens, seq.num_tokens)
-            self.hit_curve.touch(reversed(seq.keys[:written // self.block_size]))  # (tail first, as they go back)
+            self.hit_curve.touch(reversed(seq.keys[:written // self.block_size]), seq.tenant)  # (tail first)
         if written_tokens is not None and written_tokens < seq.num_tokens:
             pool = self.pool
             for position in range(max(written_tokens // self.block_size, seq.dropped), len(seq.table)):

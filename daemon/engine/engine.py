@@ -39,7 +39,7 @@ import torch
 
 from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHasher
 from kvctl.daemon.cache.events import EventLog
-from kvctl.daemon.cache.hit_curve import HitCurve, sizes_for
+from kvctl.daemon.cache.hit_curve import HitCurve, alone_tenants, sizes_for
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, pinned_out_reason, tenant_limit_reason
 from kvctl.policies.queue_order import (LPM_MAX_WAITING, by_prefix, by_priority, check_queue_order, goes_before,
@@ -117,6 +117,8 @@ class EngineSettings:
     # (False keeps them all, as for full attention: `kvctl bench window`'s baseline)
     release_window_blocks: bool = True
     hit_curve: bool = True  # follow reuse distances for what other cache sizes would have served (hit_curve.py)
+    # tenants the hit curve follows alone, in caches of their own (none named: those tenant_cache_shares names)
+    hit_curve_tenants: tuple[str, ...] = ()
 
 
 def prefetch_wait(settings: EngineSettings) -> PrefetchWait:
@@ -200,6 +202,8 @@ class Engine:
         if settings.hit_curve:  # what other sizes would have served
             self.cache.hit_curve = HitCurve(sizes_for(settings.num_blocks, extra=self.format_blocks.values()),
                                             tenants=settings.max_tracked_tenants, clock=clock)
+            self.cache.hit_curve.follow_alone(alone_tenants(settings.hit_curve_tenants, settings.tenant_cache_shares),
+                                              settings.num_blocks)
         self.events = EventLog()  # every block indexed in or dropped from a tier, for routers and operators
         self.prefill_rate = RateMeter(rate=2000.0)  # prompt tokens per second, measured on prefill steps
         self.cache.pool.events = self.events

@@ -339,7 +339,10 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
                 if row.get(key) is not None:
                     into[key] = max(into.get(key) or 0.0, row[key])
             if row.get("hit_curve") is not None:  # (a replica with no curve, or an older kvd, adds nothing)
-                into["hit_curve"] = add_curve_figures(into.get("hit_curve"), row["hit_curve"])
+                alone = (into.get("hit_curve") or {}).get("alone")
+                if row["hit_curve"].get("alone") is not None:  # followed alone at this replica
+                    alone = add_curve_figures(alone, row["hit_curve"]["alone"])
+                into["hit_curve"] = {**add_curve_figures(into.get("hit_curve"), row["hit_curve"]), "alone": alone}
     if not any(status == 200 for status, _ in answers):
         return none_did(names, answers)
     rows = [merged[t] for t in sorted(merged)]
@@ -376,18 +379,26 @@ def merge_curve_heads(curves: list[dict]) -> dict | None:
     `times` their own) and their retired tenants' figures summed; None where no replica follows one."""
     if not curves:
         return None
-    common = set.intersection(*({row["times"] for row in curve["sizes"]} for curve in curves))
-    blocks: dict[str, int | None] = dict.fromkeys(sorted(common, key=float), 0)
-    for curve in curves:
-        for row in curve["sizes"]:
-            if row["times"] in common:
-                held = blocks[row["times"]]
-                blocks[row["times"]] = None if row["blocks"] is None or held is None else held + row["blocks"]
     retired = None
     for curve in curves:
         retired = add_curve_figures(retired, curve["retired"])
-    return {"sizes": [{"times": times, "blocks": n} for times, n in blocks.items()],
+    return {"sizes": _summed_sizes([curve["sizes"] for curve in curves]),
+            "alone_sizes": _summed_sizes([curve["alone_sizes"] for curve in curves if curve.get("alone_sizes")]),
             "retired": {"tenants": sum(curve["retired"]["tenants"] for curve in curves), **retired}}
+
+
+def _summed_sizes(lists: list[list[dict]]) -> list[dict]:
+    """The sizes (times, blocks) every list has, each one's blocks summed over the lists."""
+    if not lists:
+        return []
+    common = set.intersection(*({row["times"] for row in sizes} for sizes in lists))
+    blocks: dict[str, int | None] = dict.fromkeys(sorted(common, key=float), 0)
+    for sizes in lists:
+        for row in sizes:
+            if row["times"] in common:
+                held = blocks[row["times"]]
+                blocks[row["times"]] = None if row["blocks"] is None or held is None else held + row["blocks"]
+    return [{"times": times, "blocks": n} for times, n in blocks.items()]
 
 
 def merge_response_purges(bodies: list[dict]) -> dict:

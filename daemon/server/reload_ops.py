@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from kvctl.daemon.cache.hit_curve import alone_tenants
 from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default, speculation_of
 from kvctl.daemon.engine.engine import prefetch_wait
 from kvctl.daemon.model.errors import ModelError
@@ -36,7 +37,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait
                  "log_requests", "log_stats_interval",
                  "lora_modules", "lora_runtime_updates", "max_loras", "speculative_config", "responses_max_age",
                  "truncation_headroom", "responses_store_bytes", "conversations_store_bytes",
-                 "reply_ids_bytes", "engine_stall_exit_seconds")
+                 "reply_ids_bytes", "engine_stall_exit_seconds", "hit_curve_tenants")
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
 BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
@@ -253,6 +254,7 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                                       quick_prefill_tokens=quick_prefill_tokens(new, engine.model.device.type),
                                       tenant_cache_shares=new.tenant_cache_shares,
                                       max_tracked_tenants=new.max_tracked_tenants,
+                                      hit_curve_tenants=new.hit_curve_tenants,
                                       speculation=speculation_of(new.speculative_config), **prefetch_settings(new))
             engine.prefetch = prefetch_wait(engine.settings)
             engine.cache.step_tokens = new.max_batch_tokens  # what a sliding-window sequence holds beside its window
@@ -260,6 +262,8 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
             engine.stats.tenants.resize(new.max_tracked_tenants)
             if engine.cache.hit_curve is not None:
                 engine.cache.hit_curve.tenants.resize(new.max_tracked_tenants)
+                engine.cache.hit_curve.follow_alone(  # a tenant still named keeps its curve
+                    alone_tenants(new.hit_curve_tenants, new.tenant_cache_shares), engine.cache.num_blocks)
             if "tenant_cache_shares" in changed:
                 engine.cache.set_tenant_shares(new.tenant_cache_shares)
                 if service.tiers is not None and service.tiers.host is not None:

@@ -317,7 +317,7 @@ class EngineService:
                                   quick_prefill_tokens=quick_prefill_tokens(cfg, device),
                                   tenant_cache_shares=cfg.tenant_cache_shares,
                                   max_tracked_tenants=cfg.max_tracked_tenants, max_model_len=cfg.max_model_len,
-                                  hit_curve=cfg.hit_curve,
+                                  hit_curve=cfg.hit_curve, hit_curve_tenants=cfg.hit_curve_tenants,
                                   speculation=speculation_of(cfg.speculative_config), **prefetch_settings(cfg))
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         timer.mark("cache")

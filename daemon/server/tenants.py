@@ -11,7 +11,8 @@ its blocks (against its share there, with shares); with a disk or Redis tier, th
 take there (this daemon's writes, for Redis) against its share; its pinned blocks against its pin
 budget; the p50 and p95 of its latest TTFTs; and, where kvd follows a hit curve, what one LRU cache
 of each size (the curve's, daemon/cache/hit_curve.py) would have served it (`hit_curve`: its
-prompts and tokens as the curve counted them, and hit tokens by size). Counts only: never
+prompts and tokens as the curve counted them, and hit tokens by size; `alone`: for a tenant the
+curve follows alone, the same in a cache of its own at shares of the device's blocks). Counts only: never
 prompts, tokens or keys.
 
 "Lately": the counters are kept for the `max_tracked_tenants` tenants active most recently
@@ -54,13 +55,13 @@ def list_tenants(service: EngineService) -> dict:
                 on_host = {tenant: n for tenant, n in host.tenant_blocks.items() if tenant}
         lower = service.tiers.tenant_bytes() if service.tiers is not None else {}
         total = cache.num_blocks
-        curve = None if cache.hit_curve is None else cache.hit_curve.tenant_figures(cache.block_size)
+        curve = None if cache.hit_curve is None else cache.hit_curve.tenant_figures(cache.block_size)  # (and alone)
         sizes = None if cache.hit_curve is None else cache.hit_curve.figures(cache.block_size)["sizes"]
     # the rows are made after the lock (a row per tenant seen lately: up to max_tracked_tenants);
     # budgets and shares are settings, read as they stand
-    curves = {} if curve is None else curve["tenants"]
-    names = (set(counted) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ())
-             | set(pinned) | {t for t, _ in flight}
+    curves, alone = ({}, {}) if curve is None else (curve["tenants"], curve["alone"])
+    names = (set(counted) | set(alone) | set(indexed) | (set(on_host) if host is not None else set())
+             | set(shares or ()) | set(pinned) | {t for t, _ in flight}
              | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
     rows = []
     for tenant in sorted(names):
@@ -78,7 +79,8 @@ def list_tenants(service: EngineService) -> dict:
                      "host_blocks": None if host is None else on_host.get(tenant, 0),
                      "host_share_blocks": None if host is None else host.share_of(tenant),
                      **_lower_use(service.tiers, lower, tenant),
-                     "hit_curve": None if curve is None else curves.get(tenant) or _no_prompts(sizes)})
+                     "hit_curve": None if curve is None else {**(curves.get(tenant) or _no_prompts(sizes)),
+                                                              "alone": alone.get(tenant)}})
     latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
     for row in rows:
         ttft = latency.get(row["tenant"]) or {}
@@ -87,7 +89,7 @@ def list_tenants(service: EngineService) -> dict:
             # the hit curve's sizes (times the device's blocks, and blocks) and its retired tenants' sum
             "hit_curve": None if curve is None else {
                 "sizes": [{"times": row["times"], "blocks": row["blocks"]} for row in sizes],
-                "retired": curve["retired"]}}
+                "retired": curve["retired"], "alone_sizes": curve["alone_sizes"]}}
 
 
 def _no_prompts(sizes: list[dict]) -> dict:
