@@ -388,6 +388,7 @@ def redact_url(url: Any) -> Any:
 
 METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its figures under
 
+
 def name_list(value: Any) -> tuple[str, ...]:
     """Names from `a,b` (each stripped) or a YAML list, each once, in order; `none` or empty: none."""
     names = value if isinstance(value, (list, tuple)) else (part.strip() for part in str(value).split(","))
@@ -672,6 +673,9 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     check_tls_settings(config)
     check_traces_protocol(config, env)
     check_priorities(config)
+    if config.hit_curve_tenants and not config.hit_curve:
+        raise ConfigError(f"hit_curve_tenants: set (from {config.sources.get('hit_curve_tenants', 'the config')}) "
+                          "but hit_curve is false: the tenants are followed beside the curve; set hit_curve: true")
     if config.tool_call_parser == "openai" and config.reasoning_parser != "openai_gptoss":
         raise ConfigError(f"tool_call_parser: openai (from {config.sources.get('tool_call_parser', 'the config')}) "
                           "reads calls in harmony's channels, which reasoning_parser openai_gptoss reads, but "

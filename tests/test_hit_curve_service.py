@@ -540,6 +540,10 @@ def test_hit_curve_tenants_is_checked_where_it_is_given():
         resolve({"hit_curve_tenants": [f"t{i}" for i in range(9)]}, env={})
     with pytest.raises(ConfigError, match=r"hit_curve_tenants: invalid value .*tenant 'a b' is not a tenant name"):
         resolve({"hit_curve_tenants": "acme,a b"}, env={})
+    with pytest.raises(ConfigError) as refused:
+        resolve({"hit_curve_tenants": "acme"}, env={"KVD_HIT_CURVE": "false"})
+    assert str(refused.value) == ("hit_curve_tenants: set (from --hit-curve-tenants) but hit_curve is false: the "
+                                  "tenants are followed beside the curve; set hit_curve: true")
 
 
 def test_kvd_router_sums_a_tenant_s_curve_alone_over_the_replicas_that_follow_it():
@@ -567,3 +571,28 @@ def test_kvd_router_sums_a_tenant_s_curve_alone_over_the_replicas_that_follow_it
     assert acme["hit_curve"]["prompts"] == 9  # the shared curve: every replica's
     assert body["hit_curve"]["alone_sizes"] == [{"times": "0.5", "blocks": 100}, {"times": "1", "blocks": 200},
                                                 {"times": "inf", "blocks": None}]
+
+
+def test_the_tenants_curves_are_copied_under_the_engine_s_lock_and_made_after_it(tmp_path, monkeypatch):
+    """At 10,000 tenants a row each, the figures are made after the lock, as the tenants' rows are
+    (test_api's test_the_tenants_rows_are_made_after_the_engines_lock): only copies are made under it."""
+    from kvctl.daemon.cache.hit_curve import HitCurve
+
+    from .daemon_fixtures import holds_engine_lock
+
+    service = start_service(tmp_path, num_blocks=64, tenant_cache_shares="acme=0.5,*=0.5")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        a_b_c_a(app, tenants=("acme", "globex", "globex", "acme"))
+        made, figures = [], HitCurve._figures
+
+        def watched(curve, row, block_size, sizes=False):
+            made.append(holds_engine_lock(service))
+            return figures(curve, row, block_size, sizes)
+
+        monkeypatch.setattr(HitCurve, "_figures", watched)
+        body = call(app, "GET", "/admin/tenants").json()
+        assert body["tenants"][0]["hit_curve"]["alone"]["prompts"] == 2
+        assert made == [False] * 4  # acme's and globex's rows, the retired sum, acme alone
+    finally:
+        service.shutdown(deadline=2)

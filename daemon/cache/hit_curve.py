@@ -255,15 +255,32 @@ class HitCurve:
     def tenant_figures(self, block_size: int) -> dict | None:
         """Plain data for /admin/tenants (None: tenants not followed): each followed tenant's
         prompts, tokens, what kvd served it and estimated hit tokens at each size (keyed by its
-        label), and the same summed over the tenants retired from the book."""
+        label), the same summed over the tenants retired from the book, and the tenants followed
+        alone's curves (`tenant_snapshot` then `figures_of`: made outside the engine's lock)."""
+        return self.figures_of(self.tenant_snapshot(), block_size)
+
+    def tenant_snapshot(self) -> tuple | None:
+        """The tenants' counts, copied (cheap, under the engine's lock), for `figures_of`."""
         if self.tenants is None:
             return None
-        sizes = next(iter(self.alone.values())).figures(block_size)["sizes"] if self.alone else []
-        return {"tenants": {tenant: self._figures(row, block_size) for tenant, row in self.tenants.items()},
-                "retired": {"tenants": self.tenants.retired_tenants, **self._figures(self.tenants.retired, block_size)},
+        return (self.tenants.items(), list(self.tenants.retired), self.tenants.retired_tenants,
+                {tenant: (curve, list(curve._totals)) for tenant, curve in self.alone.items()})
+
+    def figures_of(self, snapshot: tuple | None, block_size: int) -> dict | None:
+        """`tenant_figures` from a `tenant_snapshot` (the curves' labels and sizes never change)."""
+        if snapshot is None:
+            return None
+        rows, retired, retired_tenants, alone = snapshot
+        return {"tenants": {tenant: self._figures(row, block_size) for tenant, row in rows},
+                "retired": {"tenants": retired_tenants, **self._figures(retired, block_size)},
                 # the tenants followed alone: their curves in caches of their own, at these shares' sizes
-                "alone": {tenant: curve._figures(curve._totals, block_size) for tenant, curve in self.alone.items()},
-                "alone_sizes": [{"times": row["times"], "blocks": row["blocks"]} for row in sizes]}
+                "alone": {tenant: curve._figures(totals, block_size) for tenant, (curve, totals) in alone.items()},
+                "alone_sizes": next(iter(alone.values()))[0].size_rows() if alone else []}
+
+    def size_rows(self) -> list[dict]:
+        """Each size as plain data: its label (`times`) and blocks (None: a cache that never evicts)."""
+        return [{"times": label, "blocks": None if blocks == math.inf else blocks}
+                for label, blocks in zip(self.labels, self.sizes)]
 
     def whole_hit_tokens(self, row: list[float], label: str, block_size: int) -> int:
         """A row's (a tenant's of `tenants.items()`, or the retired ones' sum) estimated hit tokens at
@@ -277,8 +294,7 @@ class HitCurve:
         out = {"prompts": round(row[_Row.PROMPTS]), "prompt_tokens": round(row[_Row.TOKENS]),
                "served_tokens": round(row[_Row.SERVED]), "looked_tokens": round(row[_Row.LOOKED] * block_size)}
         if sizes:
-            out["sizes"] = [{"times": label, "blocks": None if blocks == math.inf else blocks, "hit_tokens": hit}
-                            for label, blocks, hit in zip(self.labels, self.sizes, hits)]
+            out["sizes"] = [{**size, "hit_tokens": hit} for size, hit in zip(self.size_rows(), hits)]
         else:
             out["hit_tokens"] = dict(zip(self.labels, hits))
         return out

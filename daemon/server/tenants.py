@@ -55,8 +55,9 @@ def list_tenants(service: EngineService) -> dict:
                 on_host = {tenant: n for tenant, n in host.tenant_blocks.items() if tenant}
         lower = service.tiers.tenant_bytes() if service.tiers is not None else {}
         total = cache.num_blocks
-        curve = None if cache.hit_curve is None else cache.hit_curve.tenant_figures(cache.block_size)  # (and alone)
-        sizes = None if cache.hit_curve is None else cache.hit_curve.figures(cache.block_size)["sizes"]
+        hit_curve, block_size = cache.hit_curve, cache.block_size
+        snapshot = None if hit_curve is None else hit_curve.tenant_snapshot()  # (its figures made after the lock)
+    curve = None if hit_curve is None else hit_curve.figures_of(snapshot, block_size)  # (and the tenants alone)
     # the rows are made after the lock (a row per tenant seen lately: up to max_tracked_tenants);
     # budgets and shares are settings, read as they stand
     curves, alone = ({}, {}) if curve is None else (curve["tenants"], curve["alone"])
@@ -79,7 +80,7 @@ def list_tenants(service: EngineService) -> dict:
                      "host_blocks": None if host is None else on_host.get(tenant, 0),
                      "host_share_blocks": None if host is None else host.share_of(tenant),
                      **_lower_use(service.tiers, lower, tenant),
-                     "hit_curve": None if curve is None else {**(curves.get(tenant) or _no_prompts(sizes)),
+                     "hit_curve": None if curve is None else {**(curves.get(tenant) or _no_prompts(hit_curve)),
                                                               "alone": alone.get(tenant)}})
     latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
     for row in rows:
@@ -88,14 +89,14 @@ def list_tenants(service: EngineService) -> dict:
     return {"tenants": rows, "shares": shares is not None, "blocks": total, "retired": retired,
             # the hit curve's sizes (times the device's blocks, and blocks) and its retired tenants' sum
             "hit_curve": None if curve is None else {
-                "sizes": [{"times": row["times"], "blocks": row["blocks"]} for row in sizes],
+                "sizes": hit_curve.size_rows(),
                 "retired": curve["retired"], "alone_sizes": curve["alone_sizes"]}}
 
 
-def _no_prompts(sizes: list[dict]) -> dict:
+def _no_prompts(curve) -> dict:
     """The hit curve's figures of a tenant with no prompt since the curve's book took it in."""
     return {"prompts": 0, "prompt_tokens": 0, "served_tokens": 0, "looked_tokens": 0,
-            "hit_tokens": {row["times"]: 0 for row in sizes}}
+            "hit_tokens": dict.fromkeys(curve.labels, 0)}
 
 
 def _lower_use(tiers, held: dict[str, dict[str, int]], tenant: str) -> dict:
