@@ -436,15 +436,16 @@ def test_a_full_window_says_so_and_an_older_kvd_keeps_none():
 
 
 def test_the_dashboard_s_hit_curve_panels_read_what_kvctl_hit_curve_shows(tmp_path):
-    """The Grafana panels' PromQL on two scrapes of a real kvd: each size's hit ratio, and each
-    tenant's at 1x and 2x beside what kvd served it (the 6 h range is the scrapes' interval)."""
+    """The Grafana panels' PromQL on two scrapes of a real kvd: each size's hit ratio, each tenant's
+    at 1x and 2x beside what kvd served it, and a tenant's alone at each share (the 6 h range is the
+    scrapes' interval)."""
     from pathlib import Path
 
     from .promql_eval import Scrapes, samples
 
     dashboard = json.loads((Path(__file__).parent.parent / "examples" / "grafana" / "kvd.json").read_text())
     panels = {panel["title"].split(":")[0]: panel for panel in dashboard["panels"]}
-    service = start_service(tmp_path, num_blocks=64, max_tenant_metric_series=1)
+    service = start_service(tmp_path, num_blocks=64, max_tenant_metric_series=1, hit_curve_tenants="acme")
     try:
         app = create_app(service, service.metrics, front="unix")
         complete(app, [99] * 5, "acme")  # shorter than a block: every series shows, nothing is cached
@@ -459,7 +460,7 @@ def test_the_dashboard_s_hit_curve_panels_read_what_kvctl_hit_curve_shows(tmp_pa
 
         def evaluated(panel, ref):
             expr = next(t["expr"] for t in panels[panel]["targets"] if t["refId"] == ref)
-            return {tuple(sorted((k, v) for k, v in labels if k in ("tenant", "times"))): round(value, 4)
+            return {tuple(sorted((k, v) for k, v in labels if k in ("tenant", "times", "share"))): round(value, 4)
                     for labels, value in scrapes.evaluate(expr.replace("$instance", ".*")).items()}
 
         curve = evaluated("Hit curve", "A")
@@ -471,6 +472,9 @@ def test_the_dashboard_s_hit_curve_panels_read_what_kvctl_hit_curve_shows(tmp_pa
             (("tenant", "acme"), ("times", "1")): acme, (("tenant", "acme"), ("times", "2")): acme,
             (("tenant", "*"), ("times", "1")): 0.0, (("tenant", "*"), ("times", "2")): 0.0}
         assert evaluated("Hit curve by tenant", "B") == {(("tenant", "acme"),): acme, (("tenant", "*"),): 0.0}
+        alone = evaluated("Share sizing", "A")  # alone, a's second turn hits at every share (4 blocks and up)
+        assert alone == {(("share", share), ("tenant", "acme")): acme
+                         for share in ("0.0625", "0.125", "0.25", "0.5", "0.75", "1", "inf")}
     finally:
         service.shutdown(deadline=2)
 

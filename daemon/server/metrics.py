@@ -20,6 +20,9 @@
     kvd_tenant_prompt_tokens_total{tenant}    prompt tokens per tenant, and kvd_tenant_hit_tokens_total{tenant}
     kvd_tenant_hit_curve_hit_tokens_total{tenant,times}  what one LRU cache of 1 and 2 times the device's blocks,
                                               shared by every tenant, would have served each tenant (hit_curve.py)
+    kvd_tenant_alone_hit_tokens_total{tenant,share}  for the tenants the curve follows alone (hit_curve_tenants),
+                                              what a cache share of its own of each size would have served it, over
+    kvd_tenant_alone_prompt_tokens_total{tenant}  its prompt tokens since it was followed
     kvd_tenant_cached_blocks{tenant}          device blocks holding a tenant's cached prefixes
     kvd_tenant_rejected_requests_total{tenant} requests turned away per tenant, any reason (tenant_queue_waits,
                                               tenant_request_limits and priorities decide whose)
@@ -175,6 +178,23 @@ def tenant_hit_curve_family(labels, curve, rows: list, retired: list, block_size
     return family
 
 
+def tenant_alone_families(alone: dict, block_size: int):
+    """The tenants followed alone (at most 8, named by the operator: each by its own name): what a
+    cache share of its own of each size would have served it, and its prompt tokens since followed."""
+    hits = CounterMetricFamily("kvd_tenant_alone_hit_tokens", "Prompt tokens of a tenant followed alone "
+                               "(hit_curve_tenants) that a cache of its own of `share` of the device's blocks would "
+                               "have served (inf: one that never evicts)", labels=["tenant", "share"])
+    prompts = CounterMetricFamily("kvd_tenant_alone_prompt_tokens", "Prompt tokens of a tenant followed alone, "
+                                  "since it was", labels=["tenant"])
+    for tenant, (curve, totals) in sorted(alone.items()):
+        figures = curve._figures(totals, block_size)
+        for share, tokens in figures["hit_tokens"].items():
+            hits.add_metric([tenant, share], tokens)
+        prompts.add_metric([tenant], figures["prompt_tokens"])
+    yield hits
+    yield prompts
+
+
 def hit_curve_families(curve: dict):
     """What an LRU cache of each size would have served (cache/hit_curve.py figures)."""
     hits = CounterMetricFamily("kvd_hit_curve_hit_tokens", "Prompt tokens an LRU cache of `times` the device's "
@@ -219,6 +239,8 @@ class _EngineCollector:
                 hit_curve = engine.cache.hit_curve  # (its tenants' rows copied here, read after the lock)
                 curve_rows = None if hit_curve is None or hit_curve.tenants is None else (
                     hit_curve.tenants.items(), list(hit_curve.tenants.retired))
+                alone = {} if hit_curve is None else {tenant: (curve, list(curve._totals))
+                                                      for tenant, curve in hit_curve.alone.items()}
                 now = engine.clock()
                 ages = [now - s.request.metrics.arrival for s in engine.waiting()]
                 pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
@@ -349,6 +371,8 @@ class _EngineCollector:
         yield hit
         if curve_rows is not None:
             yield tenant_hit_curve_family(labels, hit_curve, *curve_rows, engine.cache.block_size)
+        if alone:
+            yield from tenant_alone_families(alone, engine.cache.block_size)
         lost = CounterMetricFamily("kvd_tenant_evicted_blocks", "A tenant's cached blocks evicted to make room, "
                                    "per tenant", labels=["tenant"])
         for label, value in labels.fold(((tenant, counts[EVICTED]) for tenant, counts in by_tenant), retired[EVICTED]):
