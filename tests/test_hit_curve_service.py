@@ -588,13 +588,13 @@ def test_the_tenants_curves_are_copied_under_the_engine_s_lock_and_made_after_it
     try:
         app = create_app(service, service.metrics, front="unix")
         a_b_c_a(app, tenants=("acme", "globex", "globex", "acme"))
-        made, figures = [], HitCurve._figures
+        made, figures = [], HitCurve.row_figures
 
         def watched(curve, row, block_size, sizes=False):
             made.append(holds_engine_lock(service))
             return figures(curve, row, block_size, sizes)
 
-        monkeypatch.setattr(HitCurve, "_figures", watched)
+        monkeypatch.setattr(HitCurve, "row_figures", watched)
         body = call(app, "GET", "/admin/tenants").json()
         assert body["tenants"][0]["hit_curve"]["alone"]["prompts"] == 2
         assert made == [False] * 4  # acme's and globex's rows, the retired sum, acme alone

@@ -47,7 +47,7 @@ import itertools
 import math
 from collections import OrderedDict, deque
 from time import monotonic
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from kvctl.daemon.engine.tenant_book import TenantBook
 
@@ -120,6 +120,14 @@ class _Marks:
             through += tree[time]
             time -= time & -time
         return self.total - through
+
+
+class TenantSnapshot(NamedTuple):
+    """The tenants' counts as they stood (HitCurve.tenant_snapshot), to make figures of later."""
+    rows: list[tuple[str, list[float]]]  # each tenant of the book and a copy of its row
+    retired: list[float]  # the retired tenants' rows, summed
+    retired_tenants: int
+    alone: dict[str, tuple[HitCurve, list[float]]]  # each tenant followed alone: its curve, a copy of its totals
 
 
 class _Row:
@@ -248,9 +256,9 @@ class HitCurve:
             # the latest mark at least `window` old, or the first one: the curve is younger than it
             at, then = next((mark for mark in reversed(self._marks) if now - mark[0] >= window), self._marks[0])
             recent.append({"window": window, "seconds": round(now - at, 1),
-                           **self._figures([a - b for a, b in zip(self._totals, then)], block_size, sizes=True)})
+                           **self.row_figures([a - b for a, b in zip(self._totals, then)], block_size, sizes=True)})
         return {"exact_blocks": self.exact_keys, "sample_rate": self.rate, "tracked_keys": self.tracked,
-                **self._figures(self._totals, block_size, sizes=True), "recent": recent}
+                **self.row_figures(self._totals, block_size, sizes=True), "recent": recent}
 
     def tenant_figures(self, block_size: int) -> dict | None:
         """Plain data for /admin/tenants (None: tenants not followed): each followed tenant's
@@ -259,22 +267,22 @@ class HitCurve:
         alone's curves (`tenant_snapshot` then `figures_of`: made outside the engine's lock)."""
         return self.figures_of(self.tenant_snapshot(), block_size)
 
-    def tenant_snapshot(self) -> tuple | None:
+    def tenant_snapshot(self) -> TenantSnapshot | None:
         """The tenants' counts, copied (cheap, under the engine's lock), for `figures_of`."""
         if self.tenants is None:
             return None
-        return (self.tenants.items(), list(self.tenants.retired), self.tenants.retired_tenants,
-                {tenant: (curve, list(curve._totals)) for tenant, curve in self.alone.items()})
+        return TenantSnapshot(self.tenants.items(), list(self.tenants.retired), self.tenants.retired_tenants,
+                              {tenant: (curve, list(curve._totals)) for tenant, curve in self.alone.items()})
 
-    def figures_of(self, snapshot: tuple | None, block_size: int) -> dict | None:
+    def figures_of(self, snapshot: TenantSnapshot | None, block_size: int) -> dict | None:
         """`tenant_figures` from a `tenant_snapshot` (the curves' labels and sizes never change)."""
         if snapshot is None:
             return None
         rows, retired, retired_tenants, alone = snapshot
-        return {"tenants": {tenant: self._figures(row, block_size) for tenant, row in rows},
-                "retired": {"tenants": retired_tenants, **self._figures(retired, block_size)},
+        return {"tenants": {tenant: self.row_figures(row, block_size) for tenant, row in rows},
+                "retired": {"tenants": retired_tenants, **self.row_figures(retired, block_size)},
                 # the tenants followed alone: their curves in caches of their own, at these shares' sizes
-                "alone": {tenant: curve._figures(totals, block_size) for tenant, (curve, totals) in alone.items()},
+                "alone": {tenant: curve.row_figures(totals, block_size) for tenant, (curve, totals) in alone.items()},
                 "alone_sizes": next(iter(alone.values()))[0].size_rows() if alone else []}
 
     def size_rows(self) -> list[dict]:
@@ -288,8 +296,9 @@ class HitCurve:
         so a counter that sums tenants as they retire never falls."""
         return math.floor(sum(row[:self.labels.index(label) + 1])) * block_size
 
-    def _figures(self, row: list[float], block_size: int, sizes: bool = False) -> dict:
-        """A row's counts as figures: hit tokens by size, as a list of sizes (`sizes`) or by label."""
+    def row_figures(self, row: list[float], block_size: int, sizes: bool = False) -> dict:
+        """A row's counts (the totals, a tenant's, a copy of them) as figures: hit tokens by size, as a
+        list of sizes (`sizes`) or by label."""
         hits = [round(hit * block_size) for hit in itertools.accumulate(row[:len(self.sizes)])]
         out = {"prompts": round(row[_Row.PROMPTS]), "prompt_tokens": round(row[_Row.TOKENS]),
                "served_tokens": round(row[_Row.SERVED]), "looked_tokens": round(row[_Row.LOOKED] * block_size)}

@@ -187,7 +187,7 @@ def tenant_alone_families(alone: dict, block_size: int):
     prompts = CounterMetricFamily("kvd_tenant_alone_prompt_tokens", "Prompt tokens of a tenant followed alone, "
                                   "since it was", labels=["tenant"])
     for tenant, (curve, totals) in sorted(alone.items()):
-        figures = curve._figures(totals, block_size)
+        figures = curve.row_figures(totals, block_size)
         for share, tokens in figures["hit_tokens"].items():
             hits.add_metric([tenant, share], tokens)
         prompts.add_metric([tenant], figures["prompt_tokens"])
@@ -236,11 +236,8 @@ class _EngineCollector:
                 window_released = engine.cache.window_released
                 curve = None if engine.cache.hit_curve is None else engine.cache.hit_curve.figures(
                     engine.cache.block_size)
-                hit_curve = engine.cache.hit_curve  # (its tenants' rows copied here, read after the lock)
-                curve_rows = None if hit_curve is None or hit_curve.tenants is None else (
-                    hit_curve.tenants.items(), list(hit_curve.tenants.retired))
-                alone = {} if hit_curve is None else {tenant: (curve, list(curve._totals))
-                                                      for tenant, curve in hit_curve.alone.items()}
+                hit_curve = engine.cache.hit_curve  # (its tenants' counts copied here, read after the lock)
+                tenant_curves = None if hit_curve is None else hit_curve.tenant_snapshot()
                 now = engine.clock()
                 ages = [now - s.request.metrics.arrival for s in engine.waiting()]
                 pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
@@ -369,10 +366,11 @@ class _EngineCollector:
             hit.add_metric([label], value)
         yield prompt
         yield hit
-        if curve_rows is not None:
-            yield tenant_hit_curve_family(labels, hit_curve, *curve_rows, engine.cache.block_size)
-        if alone:
-            yield from tenant_alone_families(alone, engine.cache.block_size)
+        if tenant_curves is not None:
+            yield tenant_hit_curve_family(labels, hit_curve, tenant_curves.rows, tenant_curves.retired,
+                                          engine.cache.block_size)
+            if tenant_curves.alone:
+                yield from tenant_alone_families(tenant_curves.alone, engine.cache.block_size)
         lost = CounterMetricFamily("kvd_tenant_evicted_blocks", "A tenant's cached blocks evicted to make room, "
                                    "per tenant", labels=["tenant"])
         for label, value in labels.fold(((tenant, counts[EVICTED]) for tenant, counts in by_tenant), retired[EVICTED]):
