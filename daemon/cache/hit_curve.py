@@ -285,6 +285,10 @@ class HitCurve:
                 "alone": {tenant: curve.row_figures(totals, block_size) for tenant, (curve, totals) in alone.items()},
                 "alone_sizes": next(iter(alone.values()))[0].size_rows() if alone else []}
 
+    def no_prompts(self, block_size: int) -> dict:
+        """The figures of a tenant with no prompt counted (every count 0), by label."""
+        return self.row_figures([0.0] * (len(self.sizes) + _Row.WIDTH), block_size)
+
     def size_rows(self) -> list[dict]:
         """Each size as plain data: its label (`times`) and blocks (None: a cache that never evicts)."""
         return [{"times": label, "blocks": None if blocks == math.inf else blocks}

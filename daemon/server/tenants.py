@@ -64,6 +64,8 @@ def list_tenants(service: EngineService) -> dict:
     names = (set(counted) | set(alone) | set(indexed) | (set(on_host) if host is not None else set())
              | set(shares or ()) | set(pinned) | {t for t, _ in flight}
              | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
+    # the curve's figures of a tenant it has counted nothing of (made once, where one is listed)
+    unseen = hit_curve.no_prompts(block_size) if curve is not None and names - set(curves) else None
     rows = []
     for tenant in sorted(names):
         prompt, hit, recomputed, rejected, evicted = counted.get(tenant, (0,) * len(FIELDS))
@@ -80,7 +82,7 @@ def list_tenants(service: EngineService) -> dict:
                      "host_blocks": None if host is None else on_host.get(tenant, 0),
                      "host_share_blocks": None if host is None else host.share_of(tenant),
                      **_lower_use(service.tiers, lower, tenant),
-                     "hit_curve": None if curve is None else {**(curves.get(tenant) or _no_prompts(hit_curve)),
+                     "hit_curve": None if curve is None else {**(curves.get(tenant) or unseen),
                                                               "alone": alone.get(tenant)}})
     latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
     for row in rows:
@@ -92,11 +94,6 @@ def list_tenants(service: EngineService) -> dict:
                 "sizes": hit_curve.size_rows(),
                 "retired": curve["retired"], "alone_sizes": curve["alone_sizes"]}}
 
-
-def _no_prompts(curve) -> dict:
-    """The hit curve's figures of a tenant with no prompt since the curve's book took it in."""
-    return {"prompts": 0, "prompt_tokens": 0, "served_tokens": 0, "looked_tokens": 0,
-            "hit_tokens": dict.fromkeys(curve.labels, 0)}
 
 
 def _lower_use(tiers, held: dict[str, dict[str, int]], tenant: str) -> dict:
