@@ -10,7 +10,6 @@ is a ConfigError naming the field, the value and where it came from.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import urllib.parse
@@ -21,6 +20,8 @@ from typing import Any, Mapping
 from kvctl.daemon.cache.hit_curve import MAX_ALONE
 from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TENANTS
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
+from kvctl.daemon.default_paths import default_socket, default_state_dir
+from kvctl.daemon.server.byte_sizes import size_in_bytes
 from kvctl.daemon.server.durations import parse_duration
 from kvctl.daemon.server.engine_liveness import STALLED_AFTER_S
 from kvctl.daemon.server.otlp_export import check_endpoint, traces_protocol
@@ -49,39 +50,6 @@ CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 def cache_dtype_name(name: str) -> str:
     """The cache format's own name for `name`: 'fp8' is 'fp8_e4m3'; other names unchanged."""
     return CACHE_DTYPE_ALIASES.get(str(name).strip(), str(name).strip())
-
-
-def default_state_dir() -> str:
-    if os.environ.get("STATE_DIRECTORY"):  # systemd StateDirectory=
-        return os.environ["STATE_DIRECTORY"].split(":")[0]
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "kvd")
-
-
-def default_socket() -> str:
-    if os.environ.get("RUNTIME_DIRECTORY"):  # systemd RuntimeDirectory=
-        return os.path.join(os.environ["RUNTIME_DIRECTORY"].split(":")[0], "kvd.sock")
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvd-{os.getuid()}"
-    return os.path.join(base, "kvd", "kvd.sock")
-
-
-SIZE_EXPECTED = "must be a size in bytes: a number with an optional unit (4096, 512MiB, 2GiB, 500MB)"
-
-
-def size_in_bytes(text: str) -> int:
-    """Bytes from '123', '64MiB', '2GiB', '500MB'."""
-    units = {"k": 10**3, "m": 10**6, "g": 10**9, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "b": 1, "": 1}
-    value = str(text).strip().lower().replace("_", "")
-    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = value[len(number):].strip()
-    try:
-        amount = float(number) * units[unit]
-    except (KeyError, ValueError):
-        amount = math.nan
-    if isinstance(text, bool) or not math.isfinite(amount):  # also '1e999', 'inf', 'nan': no size
-        raise ValueError(SIZE_EXPECTED)
-    return int(amount)
 
 
 def template_kwargs(value: Any) -> str | None:

@@ -19,7 +19,8 @@ from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX, NEW_PREFIX
                                    ROUTING_POLICIES)
 
 from .config import (ConfigError, check_tls_settings, check_traces_protocol, env_typos, field_defaults, finite_number,
-                     merge_settings, on_or_off, read_settings_file, setting_names, size_in_bytes, whole_number)
+                     merge_settings, on_or_off, read_settings_file, setting_names, whole_number)
+from .server.byte_sizes import size_in_bytes
 from .server.otlp_export import check_endpoint
 from .server.reply_ids import REPLY_IDS_BYTES
 from .server.silent_replicas import GIVE_UP_SILENT_S, PROBE_EVERY_S

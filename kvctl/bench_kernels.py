@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .bench_replay import parse_int_list, parse_names
+from .option_lists import parse_int_list, parse_names
 from .errors import UserError
 
 # Peak HBM bandwidth by device name (bytes per second); the first matching substring wins.

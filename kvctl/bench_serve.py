@@ -12,7 +12,6 @@ baseline for every figure.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
@@ -142,6 +141,8 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
     it (None: completions or chats, as each request is). `replies` "model": a later turn sends the
     model's own replies back (`with_model_replies`), as a chat client does, instead of the
     workload's made-up ones."""
+    import asyncio
+
     import aiohttp
 
     clock = time.perf_counter
@@ -221,6 +222,8 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
 
 async def _new_conversation(session) -> str | None:
     """A new conversation's id (POST /v1/conversations), or None where kvd made none."""
+    import asyncio
+
     import aiohttp
 
     try:
@@ -336,6 +339,8 @@ def serve_command(
 
     Example: kvctl bench serve --workload shared-prefix --requests 32 --concurrency 8 --json
     """
+    import asyncio  # (loaded by the commands that drive kvd, not at kvctl's start)
+
     from .client import Client
 
     if baseline not in ("transformers", "none"):

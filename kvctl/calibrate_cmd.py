@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .bench_replay import parse_int_list
+from .option_lists import parse_int_list
 from .errors import UserError
 from .command_kit import client_for
 

@@ -20,7 +20,7 @@ from .errors import UserError
 
 
 def _bytes(field: str, text: str) -> int:
-    from kvctl.daemon.config import size_in_bytes
+    from kvctl.daemon.server.byte_sizes import size_in_bytes
 
     try:
         return size_in_bytes(text)

@@ -88,7 +88,7 @@ class Client:
     def __init__(self, socket: str | None = None, url: str | None = None, token_file: str | None = None,
                  tenant: str | None = None, timeout: float = 120.0, ca_file: str | None = None,
                  client_cert: str | None = None) -> None:
-        from kvctl.daemon.config import default_socket
+        from kvctl.daemon.default_paths import default_socket
 
         url = url or os.environ.get("KVD_URL")
         token_file = token_file or os.environ.get("KVD_TOKEN_FILE")

@@ -15,7 +15,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.markdown import Markdown
 from rich.table import Table
 
 from .errors import UserError
@@ -66,7 +65,7 @@ def open_store(ctx: typer.Context | None, state_dir: str | None, create: bool = 
     Only commands that write (`create`) may start a new one: a reader pointed at a folder
     without one (a typo, the wrong user's default) is told so, not shown an empty store it has
     just created."""
-    from kvctl.daemon.config import default_state_dir
+    from kvctl.daemon.default_paths import default_state_dir
     from kvctl.daemon.store import Store, StoreError
 
     from .client import LOCK_HOLDERS, STORE_WRITE_WAIT_S
@@ -141,6 +140,8 @@ def _show(adr, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(adr.as_dict(), indent=2))
     else:
+        from rich.markdown import Markdown  # (markdown-it: loaded for this command only)
+
         Console().print(Markdown(adr.markdown()))
 
 
@@ -374,7 +375,7 @@ def db_restore(ctx: typer.Context, backup: Path = typer.Argument(..., help="A ba
 
     Example: kvctl db restore /var/backups/kvd-2026-11-30.sqlite3 --dry-run
     """
-    from kvctl.daemon.config import default_state_dir
+    from kvctl.daemon.default_paths import default_state_dir
     from kvctl.daemon.store import StoreError
     from kvctl.daemon.store_restore import RestoreRefused, restore
 

@@ -25,7 +25,7 @@ def write_plot(path: Path, results: list[ReplayResult], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .bench_replay import policy_names
+    from .replay_report import policy_names
 
     name = policy_names(results)  # (with its reservation where several were replayed)
     lines: dict[tuple[str, int, int], list[ReplayResult]] = defaultdict(list)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -122,6 +121,8 @@ def start(ctx: typer.Context, policy: Path = typer.Option(..., "--policy", help=
 
     Example: kvctl rollout start --policy p95.yaml --cohort 10% --stop "recomputed_token_ratio > 1.2 * baseline"
     """
+    import yaml  # (loaded by the one command that reads a policy file)
+
     try:
         document = yaml.safe_load(policy.read_text())
     except (OSError, yaml.YAMLError) as exc:

@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from kvctl.policies.routing import ROUTING_POLICIES, facts_from_answer, make_router
 
-from .bench_replay import parse_names
+from .option_lists import parse_names
 from .client import Client
 from .errors import KvdUnavailable, UserError
 from .command_kit import client_for, prompt_body

@@ -7,7 +7,7 @@ from .errors import UserError
 
 def positive_size(field: str, text: str, examples: str) -> int:
     """Bytes from `text`; a UserError naming the field, the examples and the value unless > 0."""
-    from kvctl.daemon.config import size_in_bytes
+    from kvctl.daemon.server.byte_sizes import size_in_bytes
 
     try:
         value = size_in_bytes(text)

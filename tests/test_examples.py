@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvctl.daemon.config import default_socket, default_state_dir
+from kvctl.daemon.default_paths import default_socket, default_state_dir
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 # the template's lines that differ from kvd.service's, and those only it has

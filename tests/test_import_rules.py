@@ -83,6 +83,34 @@ def test_kvctl_start_up_never_imports_torch(args):
     assert flags == {"torch": False, "triton": False}
 
 
+_LOADED = """
+import json, sys
+from kvctl.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(json.dumps(sorted(sys.modules)), file=sys.stderr)
+"""
+
+# what a command that only talks to kvd (or prints a version) never needs: the replay stack and the
+# cache core (`kvctl bench replay`), markdown-it (`kvctl adr show`), asyncio (`kvctl bench serve`),
+# yaml (`kvctl rollout start`), the SQLite store; each loaded by its own command when it runs
+_NOT_AT_START = ("kvctl.daemon.replay.simulator", "kvctl.daemon.replay.fleet", "kvctl.daemon.cache.manager",
+                 "kvctl.trace_stats", "kvctl.replay_report", "rich.markdown", "asyncio", "yaml", "sqlite3",
+                 "torch", "numpy")
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--socket", "/nonexistent/kvd.sock", "status"],
+                                  ["--socket", "/nonexistent/kvd.sock", "tenants"]])
+def test_kvctl_start_up_loads_only_what_the_command_needs(args, tmp_path):
+    done = subprocess.run([sys.executable, "-c", _LOADED, *args], capture_output=True, text=True, cwd=REPO,
+                          check=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    loaded = set(json.loads(done.stderr.strip().splitlines()[-1]))
+    assert "typer" in loaded
+    assert sorted(loaded & set(_NOT_AT_START)) == []
+
+
 def test_the_four_packages_load_from_this_repository():
     import kvctl
     import kvctl.daemon

@@ -1071,7 +1071,7 @@ def test_under_a_priority_queue_preemption_takes_the_worse_placed_tenant_first(t
     one = fleet(PREEMPT_TRACE, 1, "least_loaded", block_size=16, **PREEMPT_SETTINGS, queue_order="priority",
                 tenant_priorities=(("quiet", -10),))
     assert one.tenant_preemptions == {"noisy": 2, "quiet": 0}  # and a fleet sums its replicas'
-    from kvctl.bench_replay import fleet_tenant_lines
+    from kvctl.replay_report import fleet_tenant_lines
 
     [line] = fleet_tenant_lines([one], lambda r: r.routing)
     assert line.plain == ("first token p50/p95 by tenant, least_loaded (block 16, capacity 96, lru+prio): noisy "
