@@ -61,7 +61,8 @@ def hit_curve(ctx: typer.Context,
         raise UserError("last: a tenant's figures are since kvd started (give --last without --tenant and --tenants)")
     from .hit_curve_tenants import render_tenant_curve, render_tenant_curves, tenant_json, tenants_json
     if tenant is not None:
-        show_or_watch(lambda: client.get("/admin/tenants"), lambda body: render_tenant_curve(body, tenant), watch,
+        show_or_watch(lambda: client.get("/admin/tenants", tenant=tenant),
+                      lambda body: render_tenant_curve(body, tenant), watch,
                       as_json, for_json=lambda body: tenant_json(body, tenant))
         return
     if tenants:

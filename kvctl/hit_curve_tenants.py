@@ -14,6 +14,7 @@ from rich.text import Text
 from .errors import UserError
 from .hit_curve_cmd import BAR, NEAR, smallest_enough, where_it_flattens
 from .tables import compact_table, count, fit_cells, keep_whole
+from .tenant_row import listed_row
 
 COLUMNS = ("0.5", "1", "2", "4", "inf")  # the sizes the per-tenant table shows, where the curve has them
 NAMED = 5  # tenants named at most in a note
@@ -22,11 +23,7 @@ NAMED = 5  # tenants named at most in a note
 def tenant_row(body: dict, tenant: str) -> dict:
     """`tenant`'s row of /admin/tenants, or an error that says what there is to ask for instead."""
     _require_curve(body)
-    row = next((row for row in body["tenants"] if row["tenant"] == tenant), None)
-    if row is None:
-        raise UserError(f"tenant: kvd lists no {tenant!r} among its {len(body['tenants']):,} tenants (those active "
-                        "most recently, and those holding blocks, pins or requests: kvctl hit-curve --tenants)")
-    return row
+    return listed_row(body, tenant, "kvctl hit-curve --tenants")
 
 
 def tenant_json(body: dict, tenant: str) -> dict:

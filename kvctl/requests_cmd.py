@@ -19,6 +19,7 @@ from .errors import UserError
 from .command_kit import client_for, emit, show_or_watch
 from .ops import replica_lines
 from .tables import compact_table, count, keep_whole, seconds, size
+from .tenant_row import listed_row
 
 
 def requests(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant's."),
@@ -138,6 +139,8 @@ def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, hel
 def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
             top: int = typer.Option(0, "--top", min=0, help="Show the N tenants with the most prompt tokens "
                                     "(0: every one). --json lists every one."),
+            tenant: Optional[str] = typer.Option(None, "--tenant", help="This tenant's row alone (kvd makes no "
+                                                 "other: cheap to watch beside 10,000 tenants)."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Each tenant's use of the cache: prompt tokens and hits, requests, cached blocks, share, pins, evictions.
 
@@ -146,10 +149,22 @@ def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
     10,000); the others' are summed on the last line, so the rows and that line add up to
     `kvctl status`'s totals.
 
-    Example: kvctl tenants --top 20 --watch
+    Example: kvctl tenants --top 20 --watch; kvctl tenants --tenant acme --watch
     """
     client = client_for(ctx)
-    show_or_watch(lambda: client.get("/admin/tenants"), lambda d: render_tenants(d, top), watch, as_json)
+    if tenant is not None and top:
+        raise UserError("give --tenant or --top, not both")
+    if tenant is None:
+        show_or_watch(lambda: client.get("/admin/tenants"), lambda d: render_tenants(d, top), watch, as_json)
+        return
+    show_or_watch(lambda: client.get("/admin/tenants", tenant=tenant), lambda d: render_tenants(one_row(d, tenant)),
+                  watch, as_json, for_json=lambda d: one_row(d, tenant))
+
+
+def one_row(body: dict, tenant: str) -> dict:
+    """An /admin/tenants answer of `tenant`'s row alone (or an error naming how many kvd lists), less
+    the retired tenants' sum, which is not this tenant's."""
+    return {**body, "tenants": [listed_row(body, tenant, "kvctl tenants")], "retired": None}
 
 
 class TenantTable:

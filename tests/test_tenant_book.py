@@ -218,3 +218,13 @@ def test_counts_round_to_three_figures_from_100_000():
     assert [count(n) for n in (0, 99_999, 100_000, 999_499, 999_500, 1_234_567, 9_995_000, 99_950_000,
                                12_345_678_901, 10**15)] == [
         "0", "99,999", "100k", "999k", "1.00M", "1.23M", "10.0M", "100M", "12.3B", "1000T"]
+
+
+def test_one_tenant_s_counters_are_copied_alone_and_leave_its_place_as_it_was():
+    book = TenantBook(limit=3)
+    book.row("acme")[PROMPT] += 10
+    book.row("globex")[HIT] += 4
+    copied = book.items("acme")
+    assert copied == [("acme", [10, 0, 0, 0, 0])] and book.items("initech") == []
+    copied[0][1][PROMPT] = 99  # a copy: the book's own counters are not touched
+    assert book.items() == [("acme", [10, 0, 0, 0, 0]), ("globex", [0, 4, 0, 0, 0])]  # acme still the least recent

@@ -267,12 +267,14 @@ class HitCurve:
         alone's curves (`tenant_snapshot` then `figures_of`: made outside the engine's lock)."""
         return self.figures_of(self.tenant_snapshot(), block_size)
 
-    def tenant_snapshot(self) -> TenantSnapshot | None:
-        """The tenants' counts, copied (cheap, under the engine's lock), for `figures_of`."""
+    def tenant_snapshot(self, only: str | None = None) -> TenantSnapshot | None:
+        """The tenants' counts (`only`: that tenant's alone), copied (cheap, under the engine's lock),
+        for `figures_of`."""
         if self.tenants is None:
             return None
-        return TenantSnapshot(self.tenants.items(), list(self.tenants.retired), self.tenants.retired_tenants,
-                              {tenant: (curve, list(curve._totals)) for tenant, curve in self.alone.items()})
+        return TenantSnapshot(self.tenants.items(only), list(self.tenants.retired), self.tenants.retired_tenants,
+                              {tenant: (curve, list(curve._totals)) for tenant, curve in self.alone.items()
+                               if only is None or tenant == only})
 
     def figures_of(self, snapshot: TenantSnapshot | None, block_size: int) -> dict | None:
         """`tenant_figures` from a `tenant_snapshot` (the curves' labels and sizes never change)."""

@@ -76,8 +76,12 @@ class TenantBook:
                 self.retired[i] += value
             self.retired_tenants += 1
 
-    def items(self) -> list[tuple[str, list[int]]]:
-        """(tenant, a copy of its counters), least recently active first."""
+    def items(self, only: str | None = None) -> list[tuple[str, list[int]]]:
+        """(tenant, a copy of its counters), least recently active first; `only`: that tenant's
+        alone (none where it has no row)."""
+        if only is not None:
+            row = self._rows.get(only)
+            return [] if row is None else [(only, list(row))]
         return [(tenant, list(row)) for tenant, row in self._rows.items()]
 
     def __len__(self) -> int:

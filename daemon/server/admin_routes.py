@@ -28,6 +28,7 @@ from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictR
                            RolloutStart, SleepRequest, SwapRequest, UnloadLoraAdapterRequest,
                            UpdateWeightsFromDiskRequest, VerifyRequest, WakeRequest, WeightsRequest)
 from .api_errors import ApiError, checked_ids
+from .auth import TENANT_PATTERN
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError, chat_messages, checked_tools, refuse_chat_fields_without_messages
 from .durations import parse_duration
@@ -199,10 +200,10 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         return answer if replies is None else {**answer, "replies": replies}  # a chat's: how its replies went in
 
     @router.get("/admin/tenants")
-    def tenants(_: Principal = Depends(admin)):
+    def tenants(tenant: str | None = Query(None, pattern=TENANT_PATTERN.pattern), _: Principal = Depends(admin)):
         """Each tenant's prompt and hit tokens, requests in flight, cached blocks, share and pins
-        (counts only)."""
-        return list_tenants(service)
+        (counts only); `tenant`: that tenant's row alone."""
+        return list_tenants(service, tenant)
 
     @router.get("/admin/requests")
     def requests_in_flight(tenant: str | None = None, _: Principal = Depends(admin)):

@@ -32,8 +32,10 @@ from .inflight import request_state
 from .service import EngineService
 
 
-def list_tenants(service: EngineService) -> dict:
-    """Every tenant's row, by name, and whether shares are set."""
+def list_tenants(service: EngineService, only: str | None = None) -> dict:
+    """Every tenant's row, by name, and whether shares are set; `only`: that tenant's row alone (none
+    where kvd lists no such tenant), its hit-curve figures the only ones made, and `listed`: how many
+    tenants kvd lists (a watch of one tenant at 10,000 needs neither the others' rows nor their curves)."""
     engine = service.require_ready()
     with service.engine_lock():
         cache = engine.cache
@@ -56,7 +58,7 @@ def list_tenants(service: EngineService) -> dict:
         lower = service.tiers.tenant_bytes() if service.tiers is not None else {}
         total = cache.num_blocks
         hit_curve, block_size = cache.hit_curve, cache.block_size
-        snapshot = None if hit_curve is None else hit_curve.tenant_snapshot()  # (its figures made after the lock)
+        snapshot = None if hit_curve is None else hit_curve.tenant_snapshot(only)  # (its figures made after the lock)
     curve = None if hit_curve is None else hit_curve.figures_of(snapshot, block_size)  # (and the tenants alone)
     # the rows are made after the lock (a row per tenant seen lately: up to max_tracked_tenants);
     # budgets and shares are settings, read as they stand
@@ -64,6 +66,9 @@ def list_tenants(service: EngineService) -> dict:
     names = (set(counted) | set(alone) | set(indexed) | (set(on_host) if host is not None else set())
              | set(shares or ()) | set(pinned) | {t for t, _ in flight}
              | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
+    listed = len(names)
+    if only is not None:
+        names &= {only}
     # the curve's figures of a tenant it has counted nothing of (made once, where one is listed)
     unseen = hit_curve.no_prompts(block_size) if curve is not None and names - set(curves) else None
     rows = []
@@ -88,7 +93,7 @@ def list_tenants(service: EngineService) -> dict:
     for row in rows:
         ttft = latency.get(row["tenant"]) or {}
         row["ttft_p50_s"], row["ttft_p95_s"] = ttft.get("p50"), ttft.get("p95")
-    return {"tenants": rows, "shares": shares is not None, "blocks": total, "retired": retired,
+    return {"tenants": rows, "listed": listed, "shares": shares is not None, "blocks": total, "retired": retired,
             # the hit curve's sizes (times the device's blocks, and blocks) and its retired tenants' sum
             "hit_curve": None if curve is None else {
                 "sizes": hit_curve.size_rows(),
