@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvctl.daemon.cache.hit_curve import MAX_ALONE
+from kvctl.daemon.default_paths import default_socket, default_state_dir
 from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TENANTS
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
-from kvctl.daemon.default_paths import default_socket, default_state_dir
 from kvctl.daemon.server.byte_sizes import size_in_bytes
 from kvctl.daemon.server.durations import parse_duration
 from kvctl.daemon.server.engine_liveness import STALLED_AFTER_S

@@ -57,9 +57,16 @@ def hit_curve(ctx: typer.Context,
         raise UserError("give --tenant or --tenants, not both")
     if last is not None and last not in LAST:
         raise UserError(f"last: must be {' or '.join(LAST)}, got {last!r}")
-    if last is not None and (tenant is not None or tenants):
-        raise UserError("last: a tenant's figures are since kvd started (give --last without --tenant and --tenants)")
-    from .hit_curve_tenants import render_tenant_curve, render_tenant_curves, tenant_json, tenants_json
+    if last is not None and tenants:
+        raise UserError("last: the tenants' figures are since kvd started (give --last without --tenants; a tenant "
+                        "followed alone, hit_curve_tenants, has recent windows: --tenant T --last 1h)")
+    from .hit_curve_tenants import (render_tenant_curve, render_tenant_curves, render_tenant_window, tenant_json,
+                                    tenant_window_json, tenants_json)
+    if tenant is not None and last is not None:
+        show_or_watch(lambda: client.get("/admin/tenants", tenant=tenant),
+                      lambda body: render_tenant_window(body, tenant, LAST[last]), watch,
+                      as_json, for_json=lambda body: tenant_window_json(body, tenant, LAST[last]))
+        return
     if tenant is not None:
         show_or_watch(lambda: client.get("/admin/tenants", tenant=tenant),
                       lambda body: render_tenant_curve(body, tenant), watch,
@@ -81,6 +88,13 @@ def curves_of(status: dict) -> dict:
                              for row in status["replica_status"]]}
     return {"hit_curve": status.get("hit_curve"), "bytes_per_block": status.get("bytes_per_block"),
             "tokens": status.get("tokens")}
+
+
+def window_span(recent: dict) -> str:
+    """What a recent window's figures cover: `in the last 1h`, or all of a younger curve's."""
+    if recent["seconds"] >= recent["window"]:
+        return f"in the last {duration(recent['seconds'])}"
+    return f"since kvd started, {duration(recent['seconds'])} ago"
 
 
 def twice_the_cache(curve: dict | None) -> str:
@@ -116,9 +130,7 @@ def render_hit_curve(status: dict, last: str | None = None):
         recent = next((row for row in curve.get("recent") or () if row["window"] == LAST[last]), None)
         if recent is None:
             return Text("this kvd keeps no recent hit curve (it is older than kvctl hit-curve --last)")
-        curve = {**curve, **recent}
-        since = f"in the last {duration(recent['seconds'])}" if recent["seconds"] >= recent["window"] else \
-            f"since kvd started, {duration(recent['seconds'])} ago"
+        curve, since = {**curve, **recent}, window_span(recent)
     if not curve["prompts"]:
         return Text(f"no prompt admitted {since}: nothing to draw yet")
     per_block, prompt_tokens = status.get("bytes_per_block"), curve["prompt_tokens"]

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from .errors import UserError
-from .hit_curve_cmd import BAR, NEAR, smallest_enough, where_it_flattens
+from .hit_curve_cmd import BAR, NEAR, smallest_enough, where_it_flattens, window_span
 from .tables import compact_table, count, fit_cells, keep_whole
 from .tenant_row import listed_row
 
@@ -72,9 +72,44 @@ def render_tenant_curve(body: dict, tenant: str):
                  *_alone_part(body, row, tenant, blocks))
 
 
-def _alone_part(body: dict, row: dict, tenant: str, blocks: str) -> list:
+def tenant_window(body: dict, tenant: str, seconds: int) -> tuple[dict, dict]:
+    """`tenant`'s row, and its curve alone over the recent window of `seconds`; an error where it is
+    not followed alone (its part of the shared curve is counted since kvd started)."""
+    row = tenant_row(body, tenant)
+    alone = (row["hit_curve"] or {}).get("alone")
+    if alone is None:
+        raise UserError(f"last: {tenant!r} is not followed alone (hit_curve_tenants), and its part of the shared "
+                        f"curve is counted since kvd started: kvctl hit-curve --tenant {tenant} without --last")
+    window = next((w for w in alone.get("recent") or () if w["window"] == seconds), None)
+    if window is None:
+        raise UserError(f"last: no recent window of {tenant!r} alone (a kvd older than kvctl hit-curve --tenant T "
+                        "--last answered)")
+    return row, window
+
+
+def tenant_window_json(body: dict, tenant: str, seconds: int) -> dict:
+    """What `--tenant T --last W --json` prints: its curve alone over the window, and the shares' sizes."""
+    _, window = tenant_window(body, tenant, seconds)
+    return {"tenant": tenant, "alone_sizes": body["hit_curve"].get("alone_sizes"), "alone": window}
+
+
+def render_tenant_window(body: dict, tenant: str, seconds: int):
+    """A tenant followed alone: what a cache share of its own of each size would have served it over
+    the recent window: the share its traffic needs now."""
+    row, window = tenant_window(body, tenant, seconds)
+    since = window_span(window)
+    if not window["prompt_tokens"]:
+        return Text(f"no prompt of {tenant!r} {since}")
+    blocks = "the devices' blocks" if "replicas" in body else "the device's blocks"
+    parts = _alone_part(body, {**row, "hit_curve": {**row["hit_curve"], "alone": window}}, tenant, blocks, since)
+    return Group(*parts, Text(f"its part of the shared curve is counted since kvd started: kvctl hit-curve --tenant "
+                              f"{tenant}", style="dim"))
+
+
+def _alone_part(body: dict, row: dict, tenant: str, blocks: str, since: str | None = None) -> list:
     """For a tenant followed alone: a row per share of the device's blocks, its own share's marked,
-    then the smallest share within a point of a cache of its own that never evicts."""
+    then the smallest share within a point of a cache of its own that never evicts. `since`: what
+    a recent window covers (None: since it was followed)."""
     alone, sizes = row["hit_curve"].get("alone"), body["hit_curve"].get("alone_sizes") or []
     if not alone or not alone["prompt_tokens"] or not sizes:
         return []
@@ -92,9 +127,9 @@ def _alone_part(body: dict, row: dict, tenant: str, blocks: str) -> list:
     for column in table.columns[1:4]:
         column.justify = "right"
     fit_cells(table, 0, 1, 2, 3)
+    when = "(followed since kvd started or since hit_curve_tenants named it)" if since is None else since
     heading = (f"Alone, in a cache of its own of each share of {blocks} (tenant_cache_shares), the same "
-               f"{alone['prompts']:,} prompts of {tenant!r} would have been served (followed since kvd started or "
-               "since hit_curve_tenants named it):")
+               f"{alone['prompts']:,} prompts of {tenant!r} would have been served {when}:")
     notes = []
     enough = smallest_enough(sizes, alone["hit_tokens"], alone["prompt_tokens"])
     if enough is not None:

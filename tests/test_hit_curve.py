@@ -300,3 +300,27 @@ def test_the_tenants_followed_alone_are_those_named_or_else_those_with_shares():
     assert alone_tenants((), (("globex", 0.25), ("acme", 0.5), ("*", 0.25))) == ["acme", "globex"]
     many = tuple((f"t{i:02d}", 0.01) for i in range(12))
     assert alone_tenants((), many) == [f"t{i:02d}" for i in range(MAX_ALONE)]
+
+
+def test_a_tenant_followed_alone_has_recent_windows_of_its_own_curve():
+    """Its curve alone is marked a minute apart as the whole curve is: `--tenant T --last 5m` sizes
+    its share by what its traffic needs now. A snapshot of one tenant copies that tenant's alone."""
+    now = [1_000.0]
+    curve = HitCurve(sizes_for(40), tenants=10, clock=lambda: now[0])
+    curve.follow_alone(["acme"], device_blocks=40)
+    a, b, c, d = key("a"), key("b"), key("c"), key("d")
+    curve.look([a, b], 40, "acme", served_tokens=0)
+    curve.look([c], 20, "globex")
+    now[0] += 400
+    curve.look([a, b], 40, "acme", served_tokens=32)  # its curve marked first (one prompt so far)
+    now[0] += 400
+    curve.look([d], 20, "acme")  # marked at 1,800 first: the five minutes go back to the mark at 1,400
+    alone = curve.figures_of(curve.tenant_snapshot(), 16)["alone"]["acme"]
+    five, hour = alone["recent"]
+    assert (five["window"], five["seconds"], five["prompts"], five["prompt_tokens"], five["served_tokens"]) \
+        == (300, 400.0, 2, 60, 32)
+    assert set(five["hit_tokens"].values()) == {32}  # a's and b's blocks, held at every share
+    assert (hour["window"], hour["seconds"], hour["prompts"], hour["prompt_tokens"]) == (3600, 800.0, 3, 100)
+    assert hour["hit_tokens"] == alone["hit_tokens"]
+    assert curve.figures_of(curve.tenant_snapshot("globex"), 16)["alone"] == {}
+    assert list(curve.figures_of(curve.tenant_snapshot("acme"), 16)["alone"]) == ["acme"]

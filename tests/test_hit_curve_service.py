@@ -18,6 +18,11 @@ def complete(app, ids, tenant: str | None = None) -> None:
     assert answer.status_code == 200, answer.text
 
 
+def without_spans(figures: dict) -> dict:
+    """Hit-curve figures less the seconds each recent window covers (which grow between two asks)."""
+    return {**figures, "recent": [{k: v for k, v in w.items() if k != "seconds"} for w in figures.get("recent", [])]}
+
+
 def a_b_c_a(app, tenants=(None,) * 4) -> None:
     """Prompts a, b, c (4 full blocks each, 71 tokens) and a again: its root was last used 8 blocks
     before (b's and c's), so a cache of 8 blocks serves it nothing and one of 16 its 4 blocks."""
@@ -400,7 +405,9 @@ def test_kvctl_hit_curve_last_draws_a_recent_window_and_refuses_what_kvd_does_no
             assert status != 0 and "last: must be 5m or 1h, got '2h'" in err
             status, _, err = cli(capsys, "--socket", path, "hit-curve", "--last", "5m", "--tenants")
             assert status != 0
-            assert "last: a tenant's figures are since kvd started" in " ".join(err.split())
+            said = " ".join(err.split())
+            assert ("last: the tenants' figures are since kvd started (give --last without --tenants; a tenant "
+                    "followed alone, hit_curve_tenants, has recent windows: --tenant T --last 1h)") in said
     finally:
         service.shutdown(deadline=2)
 
@@ -500,6 +507,9 @@ def test_a_tenant_followed_alone_shows_the_share_that_would_serve_it(tmp_path, c
         alone = rows["acme"]["hit_curve"]["alone"]
         assert (alone["prompts"], alone["prompt_tokens"], alone["served_tokens"]) == (2, 142, 64)
         assert set(alone["hit_tokens"].values()) == {64}  # a's blocks, 3 of its own used since
+        # the recent windows: the curve is younger than both, so each covers all of it
+        assert [(w["window"], w["prompt_tokens"], w["hit_tokens"]) for w in alone["recent"]] \
+            == [(300, 142, alone["hit_tokens"]), (3600, 142, alone["hit_tokens"])]
         assert rows["acme"]["hit_curve"]["hit_tokens"]["0.125"] == 0  # shared: globex's 8 blocks came between
         assert rows["globex"]["hit_curve"]["alone"] is None
         with served_on(app, str(tmp_path / "served.sock")) as path:
@@ -518,8 +528,26 @@ def test_a_tenant_followed_alone_shows_the_share_that_would_serve_it(tmp_path, c
                 in " ".join(out.split())
             status, out, _ = cli(capsys, "--socket", path, "hit-curve", "--tenant", "acme", "--json")
             answer = json.loads(out)
-            assert answer["hit_curve"]["alone"] == alone
+            assert without_spans(answer["hit_curve"]["alone"]) == without_spans(alone)
             assert answer["alone_sizes"][0] == {"times": "0.0625", "blocks": 4}
+            # over the last hour (all of it: kvd is younger), the share its traffic needs now
+            status, out, err = cli(capsys, "--socket", path, "hit-curve", "--tenant", "acme", "--last", "1h")
+            assert status == 0, err
+            lines = [" ".join(line.split()) for line in out.splitlines()]
+            text = " ".join(lines)
+            assert re.search(r"the same 2 prompts of 'acme' would have been served since kvd started, \d+s ago:",
+                             text), text
+            assert "0.5 (its share) 32 64 45.1% █████████" in lines and "Alone" in lines[0]
+            assert "its part of the shared curve is counted since kvd started: kvctl hit-curve --tenant acme" in text
+            status, out, _ = cli(capsys, "--socket", path, "hit-curve", "--tenant", "acme", "--last", "5m", "--json")
+            answer = json.loads(out)
+            assert status == 0 and answer["tenant"] == "acme" and answer["alone_sizes"][0]["blocks"] == 4
+            assert without_spans({"recent": [answer["alone"]]}) == without_spans({"recent": alone["recent"][:1]})
+            status, _, err = cli(capsys, "--socket", path, "hit-curve", "--tenant", "globex", "--last", "5m")
+            assert status != 0
+            said = " ".join(err.split())
+            assert ("last: 'globex' is not followed alone (hit_curve_tenants), and its part of the shared curve is "
+                    "counted since kvd started: kvctl hit-curve --tenant globex without --last") in said
             service.reload(replace(service.config, hit_curve_tenants=("globex", "initech")))
             body = call(app, "GET", "/admin/tenants").json()
             rows = {row["tenant"]: row for row in body["tenants"]}
@@ -563,15 +591,31 @@ def test_kvd_router_sums_a_tenant_s_curve_alone_over_the_replicas_that_follow_it
             "retired": {"tenants": 0, "prompts": 0, "prompt_tokens": 0, "served_tokens": 0, "looked_tokens": 0,
                         "hit_tokens": {}}}}
 
-    def alone(hits):
-        return {"prompts": 3, "prompt_tokens": 1_000, "served_tokens": 300, "looked_tokens": 900,
+    def figures(hits, prompts=3):
+        return {"prompts": prompts, "prompt_tokens": 1_000, "served_tokens": 300, "looked_tokens": 900,
                 "hit_tokens": dict(zip(("0.5", "1", "inf"), hits))}
 
-    _, body = merge_tenant_lists(["r0", "r1", "r2"], [replica(alone([500, 800, 900])), replica(alone([100, 200, 300])),
+    def alone(hits, seconds=(300.0, 3600.0)):
+        tenth = figures([h // 10 for h in hits], 1)
+        return {**figures(hits), "recent": [{"window": 300, "seconds": seconds[0], **tenth},
+                                            {"window": 3600, "seconds": seconds[1], **figures(hits, 2)}]}
+
+    _, body = merge_tenant_lists(["r0", "r1", "r2"], [replica(alone([500, 800, 900])),
+                                                      replica(alone([100, 200, 300], (290.5, 1200.0))),
                                                       replica(None)])  # r2 does not follow acme alone
     (acme,) = body["tenants"]
-    assert acme["hit_curve"]["alone"] == {"prompts": 6, "prompt_tokens": 2_000, "served_tokens": 600,
-                                          "looked_tokens": 1_800, "hit_tokens": {"0.5": 600, "1": 1_000, "inf": 1_200}}
+    summed = {"prompt_tokens": 2_000, "served_tokens": 600, "looked_tokens": 1_800}
+    assert acme["hit_curve"]["alone"] == {
+        "prompts": 6, **summed, "hit_tokens": {"0.5": 600, "1": 1_000, "inf": 1_200},
+        # each window over the span every replica's covers (r1's curve is 20 minutes old)
+        "recent": [{"window": 300, "seconds": 290.5, "prompts": 2, **summed,
+                    "hit_tokens": {"0.5": 60, "1": 100, "inf": 120}},
+                   {"window": 3600, "seconds": 1200.0, "prompts": 4, **summed,
+                    "hit_tokens": {"0.5": 600, "1": 1_000, "inf": 1_200}}]}
+    older = {key: value for key, value in alone([1, 2, 3]).items() if key != "recent"}  # a kvd before the windows
+    _, body = merge_tenant_lists(["r0", "r1"], [replica(alone([500, 800, 900])), replica(older)])
+    assert body["tenants"][0]["hit_curve"]["alone"]["recent"] is None
+    assert body["tenants"][0]["hit_curve"]["alone"]["hit_tokens"] == {"0.5": 501, "1": 802, "inf": 903}
     assert acme["hit_curve"]["prompts"] == 9  # the shared curve: every replica's
     assert body["hit_curve"]["alone_sizes"] == [{"times": "0.5", "blocks": 100}, {"times": "1", "blocks": 200},
                                                 {"times": "inf", "blocks": None}]
@@ -597,6 +641,7 @@ def test_the_tenants_curves_are_copied_under_the_engine_s_lock_and_made_after_it
         monkeypatch.setattr(HitCurve, "row_figures", watched)
         body = call(app, "GET", "/admin/tenants").json()
         assert body["tenants"][0]["hit_curve"]["alone"]["prompts"] == 2
-        assert made == [False] * 4  # acme's and globex's rows, the retired sum, acme alone
+        # acme's and globex's rows, the retired sum, acme alone (since followed, over 5 minutes and an hour)
+        assert made == [False] * 6
     finally:
         service.shutdown(deadline=2)

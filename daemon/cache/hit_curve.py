@@ -127,7 +127,8 @@ class TenantSnapshot(NamedTuple):
     rows: list[tuple[str, list[float]]]  # each tenant of the book and a copy of its row
     retired: list[float]  # the retired tenants' rows, summed
     retired_tenants: int
-    alone: dict[str, tuple[HitCurve, list[float]]]  # each tenant followed alone: its curve, a copy of its totals
+    # each tenant followed alone: its curve, a copy of its totals, and its counts over each recent window
+    alone: dict[str, tuple[HitCurve, list[float], list[tuple[int, float, list[float]]]]]
 
 
 class _Row:
@@ -250,15 +251,19 @@ class HitCurve:
         start, what kvd served of the same prompts, and up to how many blocks the figures are exact;
         `recent`: the same over each of WINDOWS, as far back as the curve goes (`seconds`: the span
         the figures cover, within a minute of the window's)."""
-        now = self.clock()
-        recent = []
-        for window in WINDOWS:
-            # the latest mark at least `window` old, or the first one: the curve is younger than it
-            at, then = next((mark for mark in reversed(self._marks) if now - mark[0] >= window), self._marks[0])
-            recent.append({"window": window, "seconds": round(now - at, 1),
-                           **self.row_figures([a - b for a, b in zip(self._totals, then)], block_size, sizes=True)})
+        recent = [{"window": window, "seconds": seconds, **self.row_figures(row, block_size, sizes=True)}
+                  for window, seconds, row in self.window_rows()]
         return {"exact_blocks": self.exact_keys, "sample_rate": self.rate, "tracked_keys": self.tracked,
                 **self.row_figures(self._totals, block_size, sizes=True), "recent": recent}
+
+    def window_rows(self) -> list[tuple[int, float, list[float]]]:
+        """Each of WINDOWS: the seconds it covers (from the latest mark at least that old, or from the
+        first: the curve is younger than the window) and the counts made over them (a new row)."""
+        now, out = self.clock(), []
+        for window in WINDOWS:
+            at, then = next((mark for mark in reversed(self._marks) if now - mark[0] >= window), self._marks[0])
+            out.append((window, round(now - at, 1), [a - b for a, b in zip(self._totals, then)]))
+        return out
 
     def tenant_figures(self, block_size: int) -> dict | None:
         """Plain data for /admin/tenants (None: tenants not followed): each followed tenant's
@@ -273,8 +278,8 @@ class HitCurve:
         if self.tenants is None:
             return None
         return TenantSnapshot(self.tenants.items(only), list(self.tenants.retired), self.tenants.retired_tenants,
-                              {tenant: (curve, list(curve._totals)) for tenant, curve in self.alone.items()
-                               if only is None or tenant == only})
+                              {tenant: (curve, list(curve._totals), curve.window_rows())
+                               for tenant, curve in self.alone.items() if only is None or tenant == only})
 
     def figures_of(self, snapshot: TenantSnapshot | None, block_size: int) -> dict | None:
         """`tenant_figures` from a `tenant_snapshot` (the curves' labels and sizes never change)."""
@@ -283,8 +288,11 @@ class HitCurve:
         rows, retired, retired_tenants, alone = snapshot
         return {"tenants": {tenant: self.row_figures(row, block_size) for tenant, row in rows},
                 "retired": {"tenants": retired_tenants, **self.row_figures(retired, block_size)},
-                # the tenants followed alone: their curves in caches of their own, at these shares' sizes
-                "alone": {tenant: curve.row_figures(totals, block_size) for tenant, (curve, totals) in alone.items()},
+                # the tenants followed alone: their curves in caches of their own, at these shares' sizes,
+                # since they were followed and over each recent window
+                "alone": {tenant: {**curve.row_figures(totals, block_size), "recent": [
+                    {"window": window, "seconds": seconds, **curve.row_figures(row, block_size)}
+                    for window, seconds, row in windows]} for tenant, (curve, totals, windows) in alone.items()},
                 "alone_sizes": next(iter(alone.values()))[0].size_rows() if alone else []}
 
     def no_prompts(self, block_size: int) -> dict:

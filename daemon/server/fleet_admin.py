@@ -341,7 +341,7 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
             if row.get("hit_curve") is not None:  # (a replica with no curve, or an older kvd, adds nothing)
                 alone = (into.get("hit_curve") or {}).get("alone")
                 if row["hit_curve"].get("alone") is not None:  # followed alone at this replica
-                    alone = add_curve_figures(alone, row["hit_curve"]["alone"])
+                    alone = add_alone_figures(alone, row["hit_curve"]["alone"])
                 into["hit_curve"] = {**add_curve_figures(into.get("hit_curve"), row["hit_curve"]), "alone": alone}
     if not any(status == 200 for status, _ in answers):
         return none_did(names, answers)
@@ -372,6 +372,19 @@ def add_curve_figures(into: dict | None, figures: dict) -> dict:
         hits[times] = hits.get(times, 0) + tokens
     return {**{key: into[key] + figures[key] for key in ("prompts", "prompt_tokens", "served_tokens", "looked_tokens")},
             "hit_tokens": hits}
+
+
+def add_alone_figures(into: dict | None, figures: dict) -> dict:
+    """A tenant's curve alone at one more replica added to `into` (None: none yet), with its recent
+    windows (each the shortest span of the replicas'); None for them where a replica has none (an
+    older kvd): a sum that left one out would say less than the fleet served."""
+    recent = figures.get("recent")
+    if into is not None:
+        mine = into.get("recent")
+        recent = None if mine is None or recent is None else [
+            {"window": a["window"], "seconds": min(a["seconds"], b["seconds"]), **add_curve_figures(a, b)}
+            for a, b in zip(mine, recent) if a["window"] == b["window"]]
+    return {**add_curve_figures(into, figures), "recent": recent}
 
 
 def merge_curve_heads(curves: list[dict]) -> dict | None:

@@ -186,7 +186,7 @@ def tenant_alone_families(alone: dict, block_size: int):
                                "have served (inf: one that never evicts)", labels=["tenant", "share"])
     prompts = CounterMetricFamily("kvd_tenant_alone_prompt_tokens", "Prompt tokens of a tenant followed alone, "
                                   "since it was", labels=["tenant"])
-    for tenant, (curve, totals) in sorted(alone.items()):
+    for tenant, (curve, totals, _) in sorted(alone.items()):  # (its recent windows: /admin/tenants)
         figures = curve.row_figures(totals, block_size)
         for share, tokens in figures["hit_tokens"].items():
             hits.add_metric([tenant, share], tokens)
