@@ -90,11 +90,12 @@ def curves_of(status: dict) -> dict:
             "tokens": status.get("tokens")}
 
 
-def window_span(recent: dict) -> str:
-    """What a recent window's figures cover: `in the last 1h`, or all of a younger curve's."""
+def window_span(recent: dict, began: str = "kvd started") -> str:
+    """What a recent window's figures cover: `in the last 1h`, or all of a curve younger than the
+    window (one that `began` then)."""
     if recent["seconds"] >= recent["window"]:
         return f"in the last {duration(recent['seconds'])}"
-    return f"since kvd started, {duration(recent['seconds'])} ago"
+    return f"since {began}, {duration(recent['seconds'])} ago"
 
 
 def twice_the_cache(curve: dict | None) -> str:

@@ -97,7 +97,7 @@ def render_tenant_window(body: dict, tenant: str, seconds: int):
     """A tenant followed alone: what a cache share of its own of each size would have served it over
     the recent window: the share its traffic needs now."""
     row, window = tenant_window(body, tenant, seconds)
-    since = window_span(window)
+    since = window_span(window, "it was followed")  # (from kvd's start, or from the reload that named it)
     if not window["prompt_tokens"]:
         return Text(f"no prompt of {tenant!r} {since}")
     blocks = "the devices' blocks" if "replicas" in body else "the device's blocks"

@@ -535,7 +535,7 @@ def test_a_tenant_followed_alone_shows_the_share_that_would_serve_it(tmp_path, c
             assert status == 0, err
             lines = [" ".join(line.split()) for line in out.splitlines()]
             text = " ".join(lines)
-            assert re.search(r"the same 2 prompts of 'acme' would have been served since kvd started, \d+s ago:",
+            assert re.search(r"the same 2 prompts of 'acme' would have been served since it was followed, \d+s ago:",
                              text), text
             assert "0.5 (its share) 32 64 45.1% █████████" in lines and "Alone" in lines[0]
             assert "its part of the shared curve is counted since kvd started: kvctl hit-curve --tenant acme" in text

@@ -110,6 +110,7 @@ def test_kvd_lists_the_latest_tenants_sums_the_others_and_its_metrics_only_grow(
         assert service.status()["tokens"]["prompt"] == 10 + 8 + 13
         assert prompt_series() == {"acme": 10.0, "*": 21.0}  # "*" holds hooli and the retired: it only grew
         assert set(service.metrics.tenant_summary()) == {"acme", "hooli"}  # TTFT windows: the latest two
+        assert list(service.metrics.tenant_summary("hooli")) == ["hooli"] and service.metrics.tenant_summary("x") == {}
         live = service.config
         service.reload(replace(live, max_tracked_tenants=1))  # acme keeps its series: hooli goes
         answer = call(app, "GET", "/admin/tenants").json()

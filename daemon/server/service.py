@@ -184,7 +184,8 @@ class EngineService:
         if processor is not None:
             install_spans(self, processor)
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
-        self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
+        # per tenant (or one tenant's): TTFT percentiles; the metrics set it
+        self.tenant_latency: Callable[[str | None], dict] = lambda only=None: {}
         self.tenant_labels = TenantLabels(config.max_tenant_metric_series)  # per-tenant metrics' labels, bounded
         self.rollouts = RolloutManager(store, pending_path=Path(config.state_dir) / ROLLBACK_PENDING_FILE)
         self.profiler = EngineProfiler(Path(config.state_dir) / "profiles")  # kvctl profile

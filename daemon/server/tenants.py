@@ -89,7 +89,7 @@ def list_tenants(service: EngineService, only: str | None = None) -> dict:
                      **_lower_use(service.tiers, lower, tenant),
                      "hit_curve": None if curve is None else {**(curves.get(tenant) or unseen),
                                                               "alone": alone.get(tenant)}})
-    latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
+    latency = service.tenant_latency(only)  # outside the engine's lock: the metrics keep their own
     for row in rows:
         ttft = latency.get(row["tenant"]) or {}
         row["ttft_p50_s"], row["ttft_p95_s"] = ttft.get("p50"), ttft.get("p95")
