@@ -724,9 +724,9 @@ class Metrics:
     def tenant_summary(self, only: str | None = None) -> dict:
         """Per tenant (`only`: that one's alone): p50 and p95 of its latest TTFTs (up to 2,000), and how many."""
         with self._lock:
-            windows = self._tenant_ttft if only is None or only not in self._tenant_ttft else \
-                {only: self._tenant_ttft[only]}
-            recent = {tenant: list(values) for tenant, values in windows.items() if only in (None, tenant)}
+            windows = self._tenant_ttft if only is None else {
+                tenant: self._tenant_ttft[tenant] for tenant in (only,) if tenant in self._tenant_ttft}
+            recent = {tenant: list(values) for tenant, values in windows.items()}
         return {tenant: {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "count": len(values)}
                 for tenant, values in recent.items()}
 
