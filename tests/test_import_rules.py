@@ -63,26 +63,6 @@ def test_no_package_waits_with_asyncio_wait_for():
     assert used == []
 
 
-_PROBE = """
-import json, sys
-from kvctl.cli import main
-try:
-    main(sys.argv[1:])
-except SystemExit:
-    pass
-print(json.dumps({"torch": "torch" in sys.modules, "triton": "triton" in sys.modules}), file=sys.stderr)
-"""
-
-
-@pytest.mark.parametrize("args", [["--help"], ["bench", "replay", "--demo-requests", "20",
-                                               "--block-sizes", "64", "--json"]])
-def test_kvctl_start_up_never_imports_torch(args):
-    done = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True,
-                          cwd=REPO, check=True)
-    flags = json.loads(done.stderr.strip().splitlines()[-1])
-    assert flags == {"torch": False, "triton": False}
-
-
 _LOADED = """
 import json, sys
 from kvctl.cli import main
@@ -92,6 +72,22 @@ except SystemExit:
     pass
 print(json.dumps(sorted(sys.modules)), file=sys.stderr)
 """
+
+
+def loaded_by(args: list[str], **run) -> set[str]:
+    """The modules a fresh interpreter has loaded once `kvctl ARGS` has run."""
+    done = subprocess.run([sys.executable, "-c", _LOADED, *args], capture_output=True, text=True, cwd=REPO,
+                          check=True, **run)
+    return set(json.loads(done.stderr.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("args", [["--help"], ["bench", "replay", "--demo-requests", "20",
+                                               "--block-sizes", "64", "--json"]])
+def test_kvctl_start_up_never_imports_torch(args):
+    loaded = loaded_by(args)
+    flags = {name: name in loaded for name in ("torch", "triton")}
+    assert flags == {"torch": False, "triton": False}
+
 
 # what a command that only talks to kvd (or prints a version) never needs: the replay stack and the
 # cache core (`kvctl bench replay`), markdown-it (`kvctl adr show`), asyncio (`kvctl bench serve`),
@@ -104,9 +100,7 @@ _NOT_AT_START = ("kvctl.daemon.replay.simulator", "kvctl.daemon.replay.fleet", "
 @pytest.mark.parametrize("args", [["--version"], ["--socket", "/nonexistent/kvd.sock", "status"],
                                   ["--socket", "/nonexistent/kvd.sock", "tenants"]])
 def test_kvctl_start_up_loads_only_what_the_command_needs(args, tmp_path):
-    done = subprocess.run([sys.executable, "-c", _LOADED, *args], capture_output=True, text=True, cwd=REPO,
-                          check=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
-    loaded = set(json.loads(done.stderr.strip().splitlines()[-1]))
+    loaded = loaded_by(args, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert "typer" in loaded
     assert sorted(loaded & set(_NOT_AT_START)) == []
 
