@@ -10,6 +10,7 @@ import re
 import time
 from pathlib import Path
 from typing import Callable, Optional
+from urllib.parse import quote
 
 import typer
 from rich.console import Console
@@ -186,7 +187,9 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
         raise typer.Exit(3)
 
 
-def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def pins(ctx: typer.Context,
+         tenant: Optional[str] = typer.Option(None, "--tenant", help="Only this tenant's pins."),
+         as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Every pin: id, tenant, model or LoRA adapter, blocks, how many are cached now, owner, note, expiry.
 
     A pin made under LoRA weights a reload or an unload took away, or under scales, a model
@@ -197,9 +200,11 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
     At kvd router, the fleet's pins, each once, with how many replicas hold it and how many of its
     blocks each has cached (a range where they differ).
 
-    Example: kvctl pins --json
+    Example: kvctl pins --tenant acme; kvctl pins --json
     """
-    data = client_for(ctx).get("/admin/pins")
+    data = client_for(ctx).get("/admin/pins", tenant=tenant)
+    if tenant is not None:  # (a kvd of before the filter lists every tenant's)
+        data["pins"] = [p for p in data["pins"] if p["tenant"] == tenant]
 
     def render(d):
         fleet = "replica_count" in d  # at kvd router: the fleet's pins, each once
@@ -219,7 +224,8 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
             table.add_row(p["pin_id"], p["tenant"], *([_prefix_model(p)] if adapters else []), f"{p['blocks']:,}",
                           cached, *where, p["owner"], "never" if p["expires_at"] is None else duration(left), p["note"])
         keep_whole(table, 0)
-        Console().print(table if d["pins"] else "no pins")
+        Console().print(table if d["pins"] else "no pins" if tenant is None else f"tenant {escape(tenant)} has no pins",
+                        highlight=False)
         if stranded:
             why = {p["stranded"] for p in d["pins"] if p.get("stranded")}
             Console().print(Text("stranded: made under " + " or under ".join(
@@ -282,33 +288,45 @@ def unpin(ctx: typer.Context, pin_id: Optional[str] = typer.Argument(None, help=
           stranded: bool = typer.Option(False, "--stranded", help="Every stranded pin (kvctl pins marks them): "
                                                                  "made under weights, scales or a format no longer "
                                                                  "served."),
+          tenant: Optional[str] = typer.Option(None, "--tenant", help="Every pin of this tenant (with --stranded: "
+                                                                      "its stranded ones)."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Remove a pin; its blocks become evictable again.
 
     `--stranded` removes every pin no request can reach any more: made under LoRA weights a
     reload or an unload took away, or under scales, a model revision or a cache format kvd no
-    longer serves. Each is audited as an unpin.
+    longer serves. `--tenant T` removes every pin of a tenant (one leaving: `kvctl evict --tenant
+    T` then takes its blocks, which its pins kept). Each is audited as an unpin.
 
     At kvd router, every replica removes it.
 
-    Example: kvctl unpin pin-0123456789abcdef; kvctl unpin --stranded
+    Example: kvctl unpin pin-0123456789abcdef; kvctl unpin --stranded; kvctl unpin --tenant acme
     """
-    if (pin_id is None) == (not stranded):
-        raise UserError("pin_id: give a pin's id or --stranded, not " + ("both" if stranded else "neither"))
-    if stranded:
+    if pin_id is not None and (stranded or tenant is not None):
+        raise UserError("pin_id: give a pin's id, or --stranded or --tenant, not both")
+    if pin_id is None and not stranded and tenant is None:
+        raise UserError("pin_id: give a pin's id, --stranded or --tenant, not neither")
+    if tenant is not None:  # a path of its own: a kvd without it refuses (404), unpinning nothing
+        data = client_for(ctx).delete(f"/admin/tenants/{quote(tenant, safe='')}/pins",
+                                      stranded="true" if stranded else None)
+    elif stranded:
         data = client_for(ctx).delete("/admin/pins", stranded="true")
     else:
         data = client_for(ctx).delete(f"/admin/pins/{pin_id}")
 
     def render(d):
-        if "unpinned" in d:  # --stranded
+        if "unpinned" in d:  # --stranded, --tenant
             for p in d["unpinned"]:
-                Console().print(f"unpinned {p['pin_id']} (tenant {escape(p['tenant'])}, {p['blocks']} blocks): "
-                                f"made under {STRANDED_CAUSES.get(p['stranded'], p['stranded'])}", highlight=False,
-                                soft_wrap=True)
-            Console().print(f"{len(d['unpinned'])} stranded pins unpinned, {d['unpinned_blocks']} blocks"
+                why = f": made under {STRANDED_CAUSES.get(p['stranded'], p['stranded'])}" if p["stranded"] else ""
+                Console().print(f"unpinned {p['pin_id']} (tenant {escape(p['tenant'])}, {p['blocks']} blocks){why}",
+                                highlight=False, soft_wrap=True)
+            which = "stranded pins" if stranded else "pins"
+            whose = "" if tenant is None else f" of tenant {escape(tenant)}"
+            count = len(d["unpinned"])
+            what = which if count != 1 else which[:-1]
+            Console().print(f"{count} {what}{whose} unpinned, {d['unpinned_blocks']} blocks"
                             + (f" over {len(d['replicas'])} replicas" if "replicas" in d else "") + _dropped(d)
-                            if d["unpinned"] else "no stranded pins", highlight=False)
+                            if d["unpinned"] else f"no {which}{whose}", highlight=False)
         else:
             Console().print(f"unpinned {d['pin_id']} ({d['unpinned_blocks']} blocks"
                             + (f" over {len(d['replicas'])} replicas)" if "replicas" in d else ")") + _dropped(d),
@@ -408,6 +426,9 @@ def evict(ctx: typer.Context,
                            if aside.get("segments") else "")
                         + (f", {shared} from the shared Redis" if shared else "")
                         + (f"; left alone: {skipped}" if skipped else ""), highlight=False)
+        if tenant is not None and d["skipped"].get("pinned") and d["target"].startswith("tenant="):
+            Console().print(f"its pins keep {d['skipped']['pinned']} blocks: `kvctl unpin --tenant {tenant}`, then "
+                            "evict again, takes them too", highlight=False, markup=False)
         if "prompt_blocks" in d:
             kept = d["shared_blocks_kept"]
             Console().print(f"the prompt has {d['prompt_blocks']} full blocks"

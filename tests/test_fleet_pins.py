@@ -171,7 +171,7 @@ def test_kvd_router_lists_stranded_pins_and_unpins_them_on_every_replica(tmp_pat
         assert _kvctl_prints(["unpin", "--stranded"], body).splitlines() == [
             f"unpinned {pin_id} (tenant acme, {blocks} blocks): made under a model revision, tokenizer, cache format, "
             "scales or block size kvd no longer serves",
-            f"1 stranded pins unpinned, {2 * blocks} blocks over 2 replicas; {2 * blocks} cached blocks dropped "
+            f"1 stranded pin unpinned, {2 * blocks} blocks over 2 replicas; {2 * blocks} cached blocks dropped "
             "with them",
             f"  replica-0: {blocks} blocks", f"  replica-1: {blocks} blocks"]
     finally:

@@ -618,7 +618,8 @@ def test_pins_made_under_weights_a_reload_or_an_unload_takes_away_are_stranded_a
         refused = call(unix, "DELETE", "/admin/pins")
         assert refused.status_code == 400 and refused.json()["error"] == {
             "message": "stranded: DELETE /admin/pins unpins the stranded pins only (stranded=true); unpin one pin by "
-                       "its id, DELETE /admin/pins/{pin_id}", "type": "invalid_request_error", "param": "stranded",
+                       "its id, DELETE /admin/pins/{pin_id}, or a tenant's, DELETE /admin/tenants/{tenant}/pins",
+                       "type": "invalid_request_error", "param": "stranded",
             "code": None}
         swept = call(unix, "DELETE", "/admin/pins", params={"stranded": "true"}).json()
         assert swept == {"unpinned": [{**sql_row, "unpinned_blocks": FULL // 16},
@@ -662,11 +663,13 @@ def test_kvctl_pins_marks_stranded_pins_and_kvctl_unpin_takes_an_id_or_stranded(
         "pin", "tenant", "blocks", "cached", "owner", "expires", "in", "note"]
     from kvctl.cli import main
 
-    for args, said in ((["unpin"], "neither"), (["unpin", "pin-00000000000000a1", "--stranded"], "both")):
+    for args, said in ((["unpin"], "a pin's id, --stranded or --tenant, not neither"),
+                       (["unpin", "pin-00000000000000a1", "--stranded"],
+                        "a pin's id, or --stranded or --tenant, not both")):
         with pytest.raises(SystemExit) as exited:
             main(args)
         assert exited.value.code == 2
-        assert capsys.readouterr().err == f"error: pin_id: give a pin's id or --stranded, not {said}\n"
+        assert capsys.readouterr().err == f"error: pin_id: give {said}\n"
     assert _kvctl_prints(["unpin", "--stranded"], {"unpinned": [], "unpinned_blocks": 0}) == "no stranded pins\n"
     assert _kvctl_prints(["unpin", "pin-00000000000000a1"], {"pin_id": "pin-00000000000000a1", "unpinned_blocks": 3,
                                                              "dropped_stale_blocks": 3}) == (

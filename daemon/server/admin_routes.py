@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query
+from fastapi import Path as PathPart
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -94,12 +95,13 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
                 "chat_template_digest": service.chat_template_digest}
 
     @router.get("/admin/pins")
-    def pins(keys: bool = False, _: Principal = Depends(admin)):
-        """Every pin; `keys`: with its block keys and the block space they belong to, for a copy on
-        another replica (`kvd router`'s sync-pins)."""
+    def pins(keys: bool = False, tenant: str | None = Query(None, pattern=TENANT_PATTERN.pattern),
+             _: Principal = Depends(admin)):
+        """Every pin (`tenant`: that tenant's); `keys`: with its block keys and the block space they
+        belong to, for a copy on another replica (`kvd router`'s sync-pins)."""
         if not keys:
-            return {"pins": pin_ops.list_pins(service), "room": pin_ops.room_beside_pins(service)}
-        return {"pins": pin_ops.list_pins(service, with_keys=True), "space": service.block_space()}
+            return {"pins": pin_ops.list_pins(service, tenant=tenant), "room": pin_ops.room_beside_pins(service)}
+        return {"pins": pin_ops.list_pins(service, with_keys=True, tenant=tenant), "space": service.block_space()}
 
     @router.post("/admin/pins")
     def pin(body: PinRequest, who: Principal = Depends(admin)):
@@ -130,11 +132,20 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     @router.delete("/admin/pins")
     def unpin_stranded(stranded: bool = False, who: Principal = Depends(admin)):
         """Every stranded pin (made under LoRA weights or a block space kvd no longer serves:
-        pin_ops.stranded_pins), unpinned; the only bulk unpin there is."""
+        pin_ops.stranded_pins), unpinned; a tenant's: DELETE /admin/tenants/{tenant}/pins."""
         if not stranded:
             raise ApiError(400, "stranded: DELETE /admin/pins unpins the stranded pins only (stranded=true); "
-                                "unpin one pin by its id, DELETE /admin/pins/{pin_id}", param="stranded")
-        return pin_ops.unpin_stranded(service, who)
+                                "unpin one pin by its id, DELETE /admin/pins/{pin_id}, or a tenant's, "
+                                "DELETE /admin/tenants/{tenant}/pins", param="stranded")
+        return pin_ops.unpin_many(service, who, stranded=True, tenant=None)
+
+    @router.delete("/admin/tenants/{tenant}/pins")
+    def unpin_tenant(tenant: str = PathPart(pattern=TENANT_PATTERN.pattern), stranded: bool = False,
+                     who: Principal = Depends(admin)):
+        """Every pin of a tenant (`stranded`: its stranded ones), unpinned, each audited: a tenant
+        leaving, whose blocks `POST /admin/evict {"tenant": ...}` then takes. A path of its own, so
+        that a kvd that does not know it answers 404 rather than unpinning more than was asked."""
+        return pin_ops.unpin_many(service, who, stranded=stranded, tenant=tenant)
 
     @router.delete("/admin/pins/{pin_id}")
     def unpin(pin_id: str, who: Principal = Depends(admin)):

@@ -172,10 +172,11 @@ def merge_unpins(done: list[dict]) -> dict:
     return {"pin_id": done[0]["pin_id"], **_summed(done, "unpinned_blocks", "dropped_stale_blocks")}
 
 
-def merge_stranded_unpins(done: list[dict]) -> dict:
-    """The stranded pins the replicas unpinned, each once (`replicas` has each one's), and their
-    blocks summed over the replicas."""
+def merge_many_unpins(done: list[dict]) -> dict:
+    """The pins the replicas unpinned in one sweep (the stranded ones, or a tenant's), each once
+    (`replicas` has each one's), and their blocks summed over the replicas."""
     return {"unpinned": _stranded(done, "unpinned").get("unpinned", []),
+            **({"tenant": done[0]["tenant"]} if "tenant" in done[0] else {}),
             **_summed(done, "unpinned_blocks", "dropped_stale_blocks")}
 
 

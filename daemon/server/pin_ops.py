@@ -200,9 +200,9 @@ def unpin(service, pin_id: str, principal: Principal, detail: dict | None = None
     return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks, **freed}
 
 
-def list_pins(service, with_keys: bool = False) -> list[dict]:
-    """Every pin; `with_keys`: also its block keys (hex), which another replica of the same block
-    space can pin by (`pin_copy`). Each names the model or LoRA adapter it was made under
+def list_pins(service, with_keys: bool = False, tenant: str | None = None) -> list[dict]:
+    """Every pin (`tenant`: that tenant's only); `with_keys`: also its block keys (hex), which another
+    replica of the same block space can pin by (`pin_copy`). Each names the model or LoRA adapter it was made under
     (`model`: its name served now; None where not served or not known) and, where no request
     can reach it any more, why (`stranded`: stranded_reason)."""
     engine = service.require_ready()
@@ -210,7 +210,7 @@ def list_pins(service, with_keys: bool = False) -> list[dict]:
     with service.engine_lock():  # what only the lock makes consistent; the rows and the keys' hex after it
         now = engine.clock()
         listed = [(p.describe(), engine.cache.lookup(p.keys), p.keys, stranded_reason(p, space, names))
-                  for p in engine.cache.pins.all()]
+                  for p in engine.cache.pins.all() if tenant is None or p.tenant == tenant]
     return [{**_pin_times(described, now), "cached_blocks": cached, "model": names.get(described["adapter_id"]),
              "stranded": stranded, **({"keys": [k.hex() for k in keys]} if with_keys else {})}
             for described, cached, keys, stranded in listed]
@@ -273,17 +273,26 @@ def stranded_pins(service, adapter_ids: set[str] | None = None, space: str | Non
     count against their tenant's budget until unpinned. `adapter_ids` / `space`: only those made
     under these LoRA weights (digests) / in this block space, as a change that retired them
     reports them. Each: pin_id, tenant, blocks, adapter_id, stranded (the reason)."""
-    return [{"pin_id": p.pin_id, "tenant": p.tenant, "blocks": p.num_blocks, "adapter_id": p.adapter_id,
-             "stranded": reason} for p, reason in _stranded(service)
+    return [_row(p, reason) for p, reason in _stranded(service)
             if (adapter_ids is None or p.adapter_id in adapter_ids) and (space is None or p.space == space)]
+
+
+def _row(pin, reason: str | None) -> dict:
+    """A pin as a bulk unpin names it: pin_id, tenant, blocks, adapter_id, stranded (why, or None)."""
+    return {"pin_id": pin.pin_id, "tenant": pin.tenant, "blocks": pin.num_blocks, "adapter_id": pin.adapter_id,
+            "stranded": reason}
+
+
+def _with_reasons(service) -> list[tuple]:
+    """(pin, why no request reaches it, or None) for each pin (stranded_reason)."""
+    served_space, names = _served(service)
+    with service.lock:
+        return [(p, stranded_reason(p, served_space, names)) for p in service.engine.cache.pins.all()]
 
 
 def _stranded(service) -> list[tuple]:
     """(pin, why) for each pin no request can reach any more (stranded_reason)."""
-    served_space, names = _served(service)
-    with service.lock:
-        pins = [(p, stranded_reason(p, served_space, names)) for p in service.engine.cache.pins.all()]
-    return [(p, reason) for p, reason in pins if reason is not None]
+    return [(p, reason) for p, reason in _with_reasons(service) if reason is not None]
 
 
 def _served(service) -> tuple[str, dict[str, str]]:
@@ -334,23 +343,31 @@ def stranded_by(service, retired: set[str], cause: str) -> dict:
     return {"stranded_pins": stranded} if stranded else {}
 
 
-def unpin_stranded(service, principal: Principal) -> dict:
-    """Unpin every stranded pin (stranded_pins), each taken off the store first and audited as
-    an unpin; one that lapsed or went meanwhile is left out. The cached blocks of those made in a
-    block space no longer served go with them (`dropped_stale_blocks`)."""
+def unpin_many(service, principal: Principal, *, stranded: bool, tenant: str | None) -> dict:
+    """Unpin every stranded pin (`stranded`: stranded_pins), every pin of `tenant` (a tenant
+    leaving: its blocks can then be evicted), or with both a tenant's stranded pins; each taken
+    off the store first and audited as an unpin (`detail` says which sweep took it); one that
+    lapsed or went meanwhile is left out. The cached blocks of those made in a block space no
+    longer served go with them (`dropped_stale_blocks`)."""
     service.require_ready()
+    rows = [_row(p, reason) for p, reason in _with_reasons(service)
+            if (reason is not None or not stranded) and (tenant is None or p.tenant == tenant)]
     done, dropped = [], 0
-    for row in stranded_pins(service):
+    for row in rows:
+        detail = {**({"stranded": row["stranded"]} if row["stranded"] else {}),
+                  **({"swept_tenant": tenant} if tenant is not None else {})}
         try:
-            body = unpin(service, row["pin_id"], principal, detail={"stranded": row["stranded"]})
+            body = unpin(service, row["pin_id"], principal, detail=detail)
         except ServiceError as exc:
             if exc.status != 404:
-                raise ServiceError(exc.status, f"{exc} (unpinned before it: {len(done)} stranded pins)",
+                what = "stranded pins" if tenant is None else f"pins of tenant {tenant}"
+                raise ServiceError(exc.status, f"{exc} (unpinned before it: {len(done)} {what})",
                                    "pin_id") from None
             continue
         done.append({**row, "unpinned_blocks": body["unpinned_blocks"]})
         dropped += body.get("dropped_stale_blocks", 0)
     return {"unpinned": done, "unpinned_blocks": sum(p["unpinned_blocks"] for p in done),
+            **({"tenant": tenant} if tenant is not None else {}),
             **({"dropped_stale_blocks": dropped} if dropped else {})}
 
 

@@ -46,9 +46,10 @@ from .body_limit import BodyLimit
 from .event_relay import relay_events
 from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, bodies_or_errors, combine, merge_audit_lists,
                           merge_cancels,
-                          merge_event_lists, merge_evictions, merge_lora_changes, merge_pin_lists, merge_pins,
+                          merge_event_lists, merge_evictions, merge_lora_changes, merge_many_unpins, merge_pin_lists,
+                          merge_pins,
                           merge_prefix_lists, merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps,
-                          merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates,
+                          merge_tenant_lists, merge_unpins, merge_verifies, merge_weight_updates,
                           replica_reports)
 from .fleet_differences import fleet_differences
 from .fleet_pins import sync_pins
@@ -416,7 +417,21 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def unpin_stranded_everywhere(http: Request, _: Caller = Depends(admin)):
         """Every replica unpins its stranded pins (stranded=true; each replica refuses anything else)."""
         query = f"?{http.url.query}" if http.url.query else ""
-        return await everywhere("DELETE", "/admin/pins" + query, None, merge_stranded_unpins)
+        return await everywhere("DELETE", "/admin/pins" + query, None, merge_many_unpins)
+
+    @app.delete("/admin/tenants/{tenant}/pins")
+    async def unpin_tenant_everywhere(tenant: str, http: Request, _: Caller = Depends(admin)):
+        """Every replica unpins the tenant's pins (stranded=true: its stranded ones)."""
+        query = f"?{http.url.query}" if http.url.query else ""
+        replicas = service.replicas
+        answers = await each_replica(replicas, "DELETE", f"/admin/tenants/{quote(tenant, safe='')}/pins" + query,
+                                     None, FLEET_ADMIN_TIMEOUT_S)
+        # kvd answers a tenant without pins with none unpinned: a 404 is a kvd without this path
+        answers = [(501, {"error": {"message": "this kvd has no DELETE /admin/tenants/{tenant}/pins (an older "
+                                               "kvd): unpin the tenant's pins there by id"}}) if status == 404
+                   else (status, body) for status, body in answers]
+        status, body = combine([r.name for r in replicas], answers, merge_many_unpins)
+        return JSONResponse(body, status_code=status)
 
     @app.delete("/admin/pins/{pin_id}")
     async def unpin_everywhere(pin_id: str, _: Caller = Depends(admin)):
