@@ -229,3 +229,6 @@ def test_one_tenant_s_counters_are_copied_alone_and_leave_its_place_as_it_was():
     assert copied == [("acme", [10, 0, 0, 0, 0])] and book.items("initech") == []
     copied[0][1][PROMPT] = 99  # a copy: the book's own counters are not touched
     assert book.items() == [("acme", [10, 0, 0, 0, 0]), ("globex", [0, 4, 0, 0, 0])]  # acme still the least recent
+    named = book.names()  # the tenants with a row, a copy (what a one-tenant answer counts as listed)
+    named.add("initech")
+    assert book.names() == {"acme", "globex"}

@@ -40,7 +40,7 @@ def list_tenants(service: EngineService, only: str | None = None) -> dict:
     with service.engine_lock():
         cache = engine.cache
         book = engine.stats.tenants
-        counted = dict(book.items())
+        counted, seen = dict(book.items(only)), book.names()  # (one tenant's row copies its counters alone)
         retired = {"tenants": book.retired_tenants, **dict(zip(FIELDS, book.retired)), "tracked": len(book),
                    "limit": book.limit}
         indexed = {tenant: n for tenant, n in cache.pool.tenant_blocks.items() if tenant is not None and n > 0}
@@ -63,7 +63,7 @@ def list_tenants(service: EngineService, only: str | None = None) -> dict:
     # the rows are made after the lock (a row per tenant seen lately: up to max_tracked_tenants);
     # budgets and shares are settings, read as they stand
     curves, alone = ({}, {}) if curve is None else (curve["tenants"], curve["alone"])
-    names = (set(counted) | set(alone) | set(indexed) | (set(on_host) if host is not None else set())
+    names = (seen | set(alone) | set(indexed) | (set(on_host) if host is not None else set())
              | set(shares or ()) | set(pinned) | {t for t, _ in flight}
              | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
     listed = len(names)
