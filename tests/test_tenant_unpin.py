@@ -186,3 +186,34 @@ def test_kvd_router_unpins_a_tenants_pins_on_every_replica_and_names_a_replica_w
     finally:
         for service in services:
             service.shutdown(deadline=2)
+
+
+def test_a_tenant_leaving_takes_its_pinned_prefixes_from_every_tier_and_none_come_back_at_a_start(tmp_path):
+    """Written through to disk, a pinned prefix's copies there stay with it while it is pinned;
+    `unpin --tenant` then `evict --tenant` takes them from the device and the disk, and a restart
+    brings back neither the pins nor the prefixes (the other tenant's stay)."""
+    settings = dict(num_blocks=64, disk_cache_bytes="16MiB", tiering="always", write_policy="write_through")
+    service = start_service(tmp_path, **settings)
+    try:
+        app = unix_app(service)
+        a, g = pinned(app, ACME_A, "acme"), pinned(app, GLOBEX, "globex")
+        keys = list(service.engine.cache.pins.get(a["pin_id"]).keys)
+        assert service.tiers.wait_for_writes(keys, 30) == 0 and set(keys) <= set(service.tiers.known_metas())
+        kept = call(app, "POST", "/admin/evict", json={"tenant": "acme"}).json()
+        assert (kept["evicted_blocks"], kept["lower_tier_blocks_dropped"], kept["skipped"]) == (
+            0, 0, {"pinned": a["blocks"]})
+        assert call(app, "DELETE", "/admin/tenants/acme/pins").json()["unpinned_blocks"] == a["blocks"]
+        gone = call(app, "POST", "/admin/evict", json={"tenant": "acme"}).json()
+        assert (gone["evicted_blocks"], gone["lower_tier_blocks_dropped"], gone["skipped"]) == (
+            a["blocks"], a["blocks"], {})
+    finally:
+        service.shutdown(deadline=5)
+    again = start_service(tmp_path, **settings)
+    try:
+        app = unix_app(again)
+        assert [p["pin_id"] for p in call(app, "GET", "/admin/pins").json()["pins"]] == [g["pin_id"]]
+        assert {r["tenant"] for r in call(app, "GET", "/admin/prefixes").json()["prefixes"]} == {"globex"}
+        explained = call(app, "POST", "/admin/explain", json={"text": ACME_A, "tenant": "acme"}).json()
+        assert explained["hit_tokens"] == 0
+    finally:
+        again.shutdown(deadline=5)
