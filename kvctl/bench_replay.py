@@ -32,7 +32,8 @@ def replay_command(
         [str(DEFAULT_CAPACITY_TOKENS)], "--capacity-tokens",
         help="Cache capacity in tokens; repeat or comma-separate for several."),
     policy: list[str] = typer.Option(["lru,cost"], "--policy", help="Eviction policies: lru, cost, lfu, priority "
-                                     "(with --tenant-priorities)."),
+                                     "(with --tenant-priorities); belady evicts knowing the trace's future: the "
+                                     "mark of what eviction order could add."),
     queue_order: list[str] = typer.Option(["fifo"], "--queue-order",
                                           help="Admission queue order, as kvd's queue_order: fifo, priority (by "
                                                "--tenant-priorities; rows 'lru+prio'), lpm (the longest cached "

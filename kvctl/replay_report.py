@@ -141,7 +141,7 @@ def replay_tables(results: list[ReplayResult], trace_name: str, requests: int, l
         cost.add_row(str(r.block_size), f"{r.capacity_tokens:,}", *([f"{r.tier_tokens:,}"] if tiered else []),
                      name(r), f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
                      f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}")
-    parts = [decision, ceiling, *rejection_lines(results), *first_token_lines(results),
+    parts = [decision, ceiling, *foresight_lines(results), *rejection_lines(results), *first_token_lines(results),
              *preemption_lines(results, live=live), Text(""), cost]
     tenants = sorted({t for r in results for t in r.tenant_hit_ratio})
     if tenants:  # a trace that names tenants: what each kept, which is what shares are for
@@ -182,6 +182,23 @@ def _tenant_first_token_table(results: list[ReplayResult], tenants: list[str]):
             cells.append(" ".join(part for part in (times, rej, pre) if part) or "-")
         table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", name(r), *cells)
     return table
+
+
+def foresight_lines(results: list[ReplayResult]) -> list[Text]:
+    """Where `belady` ran (--policy ...,belady): beside its hit, the best of the policies kvd can run
+    on the same cache, so that the gap says what eviction order alone could still add (the
+    unbounded cache's line says what memory could)."""
+    def point(r: ReplayResult) -> tuple:
+        return (r.block_size, r.capacity_tokens, r.tier_tokens, r.reservation, r.max_running, "+shares" in r.policy)
+
+    lines = []
+    for bound in (r for r in results if r.policy.split("+")[0] == "belady"):
+        others = [r for r in results if point(r) == point(bound) and r is not bound]
+        best = max(others, key=lambda r: r.hit_ratio, default=None)
+        beside = f", the best kvd can run {best.hit_ratio:.1%} ({best.policy})" if best is not None else ""
+        lines.append(Text(f"belady evicts knowing the trace's future, as no cache can: at block {bound.block_size}, "
+                          f"capacity {bound.capacity_tokens:,}, hit {bound.hit_ratio:.1%}{beside}"))
+    return lines
 
 
 def rejection_lines(results: list[ReplayResult]) -> list[Text]:

@@ -73,11 +73,13 @@ from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.cache.manager import KVCacheManager
 from kvctl.daemon.stats import percentile
 from kvctl.policies.admission import blocks_for_tokens
+from kvctl.policies.foresight import FarthestNextUseEviction
 from kvctl.policies.queue_order import (LPM_MAX_WAITING, by_prefix, by_priority, goes_before, longest_prefix_first,
                                        lpm_patience)
 from kvctl.policies.reservation import parse_reservation
 
 from .service_rates import CONTEXT_UNIT
+from .foresight import TraceFuture
 from .trace import TraceRequest, own_output_keys
 
 
@@ -225,8 +227,11 @@ class ReplicaRun:
         self.settings = settings
         self.requests, self.keys, self.max_hits, self.given_outputs = requests, keys, max_hits, outputs
         self.now = 0.0
-        self.manager = KVCacheManager(settings.num_blocks, settings.block_size,
-                                      policy=settings.policy, clock=lambda: self.now)
+        # `belady` reads the trace's future (foresight.py): each block's next use after the latest request started
+        self.future = TraceFuture(requests, keys, settings.block_size) if settings.policy == "belady" else None
+        policy = settings.policy if self.future is None else FarthestNextUseEviction(
+            lambda block_id: self.future.next_use(self.manager.pool.blocks[block_id].key), lambda: self.future.horizon)
+        self.manager = KVCacheManager(settings.num_blocks, settings.block_size, policy=policy, clock=lambda: self.now)
         self.manager.set_tenant_shares(settings.tenant_shares)
         self.priorities = dict(settings.tenant_priorities)  # tenant -> kvd's place (lower first)
         self.tenant_waits = dict(settings.tenant_queue_waits)  # tenant -> its own queue wait limit (0: none)
@@ -342,6 +347,9 @@ class ReplicaRun:
         # what the lower tier holds after the device's hits is read before the admission makes
         # room (as kvd's prefetch does), so blocks it demotes cannot push them out first
         restored = self._restore(keys, manager.lookup(keys, tokens), tokens) if self.tier_blocks else 0
+        future = self.future
+        if future is not None:  # (its hits are taken now: the uses after it are what its admission may evict for)
+            horizon, future.horizon = future.horizon, max(future.horizon, index)
         t0 = time.perf_counter_ns()
         try:
             tenant = request.tenant or "default"
@@ -349,6 +357,8 @@ class ReplicaRun:
                                       priority=-self.request_place(index))  # the engine's: higher first
         except CacheFull:
             self.call_ns.append(time.perf_counter_ns() - t0)
+            if future is not None:  # not started: it still asks for its keys (an admission that fails evicts nothing)
+                future.horizon = horizon
             return False
         t1 = time.perf_counter_ns()
         manager.append(seq_id, tokens - admission.hit_tokens, later)

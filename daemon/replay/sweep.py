@@ -22,6 +22,8 @@ from .simulator import ReplayResult, ReplaySettings, max_hit_blocks, replay
 from .trace import TraceKeyer, TraceRequest
 from kvctl.daemon.cache.keys import validate_block_size
 
+REPLAY_POLICIES = (*EVICTION_POLICIES, "belady")  # kvd's, and the bound that reads the trace's future
+
 
 def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policies: Sequence[str],
                   base: ReplaySettings, replicas: int = 1, routings: Sequence[str] = (),
@@ -90,8 +92,15 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
             raise ValueError(f"capacity_tokens: {capacity} is smaller than one block of "
                              f"{max(block_sizes)} tokens")
     for policy in policies:
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"policy: unknown value {policy!r}; choose from {', '.join(EVICTION_POLICIES)}")
+        if policy not in REPLAY_POLICIES:
+            raise ValueError(f"policy: unknown value {policy!r}; choose from {', '.join(REPLAY_POLICIES)}")
+    if "belady" in policies:  # it reads the trace's future in arrival order (daemon/replay/foresight.py)
+        if replicas > 1:
+            raise ValueError("policy: belady reads one cache's future in the trace's order; a fleet's router decides "
+                             "which replica meets each request (replay it without --replicas)")
+        if any(order != "fifo" for order in queue_orders):
+            raise ValueError("policy: belady reads the trace's future in arrival order, the order a FIFO queue starts "
+                             "requests in; replay it with --queue-order fifo")
     if reservations is not None and not reservations:
         raise ValueError("reservation: give at least one output reservation (fixed:N, fraction:F or p95)")
     for spec in (base.reservation,) if reservations is None else reservations:

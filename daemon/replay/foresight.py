@@ -1,0 +1,38 @@
+"""What the `belady` eviction policy reads of a replay's future (policies/foresight.py): when each
+block key of the trace is next asked for, in requests of arrival order.
+
+A request asks for the keys of its prompt that a hit could serve (its whole blocks before its last
+token). The horizon is the latest request the replay has started: a key's next use is the first
+request after it that asks for the key. With a FIFO queue requests start in arrival order, so
+that is the order the cache meets them in (a request preempted and started again asks again for
+what it had; the future does not count that use)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Sequence
+
+from kvctl.daemon.cache.keys import BlockKey
+
+from .trace import TraceRequest
+
+
+class TraceFuture:
+    """Each key's requests, in arrival order, and how far the replay has come (`horizon`)."""
+
+    def __init__(self, requests: Sequence[TraceRequest], keys: Sequence[Sequence[BlockKey]], block_size: int) -> None:
+        uses: dict[BlockKey, list[int]] = {}
+        for index, (request, request_keys) in enumerate(zip(requests, keys)):
+            for key in request_keys[:max(request.input_length - 1, 0) // block_size]:
+                uses.setdefault(key, []).append(index)
+        self.uses = uses
+        self.horizon = -1  # the latest request started (-1: none yet)
+
+    def next_use(self, key: BlockKey | None) -> float:
+        """The first request after the horizon that asks for `key` (math.inf: none does)."""
+        asked = self.uses.get(key) if key is not None else None
+        if not asked:
+            return math.inf
+        at = bisect.bisect_right(asked, self.horizon)
+        return asked[at] if at < len(asked) else math.inf
