@@ -395,11 +395,13 @@ class Store:
         return {"removed": removed, "kept": kept, "oldest_kept": oldest, "before": before, "dry_run": dry_run}
 
     def audit_since(self, since: float = 0.0, limit: int = 1000, action: str | None = None,
-                    result: str | None = None, actor: str | None = None, tenant: str | None = None) -> list[dict]:
+                    result: str | None = None, actor: str | None = None, tenant: str | None = None,
+                    target: str | None = None) -> list[dict]:
         """The audit records from `since` on (a time.time()), newest first, at most `limit`; only
-        those of `action`, `result`, `actor` and `tenant` where given (each matched whole)."""
-        matched = {k: v for k, v in (("action", action), ("result", result), ("actor", actor), ("tenant", tenant))
-                   if v}
+        those of `action`, `result`, `actor`, `tenant` and `target` (a pin's id, `tenant=acme`)
+        where given (each matched whole)."""
+        matched = {k: v for k, v in (("action", action), ("result", result), ("actor", actor), ("tenant", tenant),
+                                     ("target", target)) if v}
         sql = "select * from audit where at >= ?" + "".join(f" and {column} = ?" for column in matched) + \
               " order by id desc limit ?"
         rows = self._query(sql, [since, *matched.values(), limit])

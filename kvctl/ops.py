@@ -640,6 +640,8 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
           result: Optional[str] = typer.Option(None, help="Only this result (ok, refused, partial, applied, ...)."),
           actor: Optional[str] = typer.Option(None, help="Only this actor (a token's name, unix-socket, kvd, ttl)."),
           tenant: Optional[str] = typer.Option(None, help="Only records of this tenant (-: the daemon's own)."),
+          target: Optional[str] = typer.Option(None, help="Only records of this target, whole: a pin's id (its "
+                                                          "pin, its unpin), tenant=acme (its evictions), ..."),
           state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Read the store directly (KVD_STATE_DIR)."),
           limit: int = typer.Option(50, help="Newest rows in the table (0: all); --json always has all."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
@@ -651,6 +653,8 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
     Example: kvctl audit --since 24h --action evict
 
     Example: kvctl audit --since 1h --result refused   (what an incident turned away)
+
+    Example: kvctl audit --target pin-0123456789abcdef   (who made a pin, who took it away)
     """
     from kvctl.daemon.server.durations import parse_duration
 
@@ -660,7 +664,8 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
         raise UserError(f"since: invalid value {since!r}; use 30m, 1h, 2d") from None
     if limit < 0:
         raise UserError(f"limit: must be >= 0, got {limit}")
-    wanted = {k: v for k, v in (("action", action), ("result", result), ("actor", actor), ("tenant", tenant)) if v}
+    wanted = {k: v for k, v in (("action", action), ("result", result), ("actor", actor), ("tenant", tenant),
+                                ("target", target)) if v}
     data = None
     if not (state_dir or os.environ.get("KVD_STATE_DIR")):
         try:
@@ -672,7 +677,7 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
         from .records_cmd import open_store
 
         data = {"entries": open_store(None, state_dir).audit_since(start, **wanted)}
-    # (a kvd older than --result, --actor and --tenant answers every record: they are matched here too)
+    # (a kvd older than --result, --actor, --tenant and --target answers every record: they are matched here too)
     data = {**data, "entries": [e for e in data["entries"] if all(e.get(k) == v for k, v in wanted.items())]}
 
     def audit_table(entries, time_below_date: bool):

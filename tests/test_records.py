@@ -334,6 +334,10 @@ def test_audit_narrows_to_a_result_an_actor_and_a_tenant(tmp_path, capsys):
     assert targets("--tenant", "-") == [("unix-socket", "config")]
     assert targets("--tenant", "acme", "--action", "pin", "--result", "ok") == [("alice", "pin-1")]
     assert targets("--result", "failed") == []
+    assert targets("--target", "tenant=beta") == [("bob", "tenant=beta"), ("bob", "tenant=beta")]
+    assert targets("--target", "tenant=beta", "--action", "evict") == [("bob", "tenant=beta")]
+    assert targets("--target", "pin") == []  # whole, not a part of one
+    assert [e["action"] for e in store.audit_since(0, target="pin-1")] == ["pin"]
     assert [e["target"] for e in store.audit_since(0, limit=1, result="refused", tenant="acme")] == ["-"]
 
 

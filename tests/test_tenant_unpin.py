@@ -53,6 +53,8 @@ def test_a_tenants_pins_are_listed_and_unpinned_together_and_its_blocks_can_then
         assert [(r["target"], r["tenant"], r["detail"]) for r in audited] == [
             (b["pin_id"], "acme", {"blocks": b["blocks"], "swept_tenant": "acme"}),
             (a["pin_id"], "acme", {"blocks": a["blocks"], "swept_tenant": "acme"})]
+        history = call(app, "GET", "/admin/audit", params={"target": a["pin_id"]}).json()["entries"]
+        assert [(e["action"], e["result"]) for e in history] == [("unpin", "ok"), ("pin", "ok")]  # newest first
 
         taken = call(app, "POST", "/admin/evict", json={"tenant": "acme"}).json()
         assert (taken["evicted_blocks"], taken["skipped"]) == (a["blocks"] + b["blocks"], {})

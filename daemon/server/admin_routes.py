@@ -425,9 +425,9 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
 
     @router.get("/admin/audit")
     def audit(since: float = 0.0, action: str | None = None, result: str | None = None, actor: str | None = None,
-              tenant: str | None = None, _: Principal = Depends(admin)):
+              tenant: str | None = None, target: str | None = None, _: Principal = Depends(admin)):
         return {"entries": service.store.audit_since(since, action=action, result=result, actor=actor,
-                                                     tenant=tenant)}
+                                                     tenant=tenant, target=target)}
 
     def tokens_of(body: ExplainRequest | PinRequest | EvictRequest, tenant: str, opens_reply: bool = True) -> list[int]:
         """The prompt an admin request names (`prompt_of`)."""
