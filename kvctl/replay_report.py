@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.text import Text
 
 from kvctl.daemon.replay.fleet import RECORDED, FleetResult, limit_choices, places_new_prefixes, reads_load
+from kvctl.daemon.replay.foresight import reads_the_future
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet
 from kvctl.trace_stats import fleet_figures, live_cached_ratio
@@ -192,7 +193,7 @@ def foresight_lines(results: list[ReplayResult]) -> list[Text]:
         return (r.block_size, r.capacity_tokens, r.tier_tokens, r.reservation, r.max_running, "+shares" in r.policy)
 
     lines = []
-    for bound in (r for r in results if r.policy.split("+")[0] == "belady"):
+    for bound in (r for r in results if reads_the_future(r.policy)):
         others = [r for r in results if point(r) == point(bound) and r is not bound]
         best = max(others, key=lambda r: r.hit_ratio, default=None)
         beside = f", the best kvd can run {best.hit_ratio:.1%} ({best.policy})" if best is not None else ""

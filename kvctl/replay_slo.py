@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 
 from rich.text import Text
 
+from kvctl.daemon.replay.foresight import reads_the_future
 from kvctl.policies.figure_condition import FigureCondition
 
 # the figures of a run (ReplayResult, FleetResult) an objective may name
@@ -27,15 +28,10 @@ def meets(run, objectives: Sequence[FigureCondition]) -> bool:
     return all(objective.holds(getattr(run, objective.figure, None)) is True for objective in objectives)
 
 
-def _foresight(run) -> bool:
-    """Whether the run evicted knowing the trace's future (`belady`: no cache can run it)."""
-    return run.policy.split("+")[0] == "belady"
-
-
 def pick(runs: Sequence, objectives: Sequence[FigureCondition]) -> tuple[list[int], int | None]:
     """(the runs meeting every objective, by index; the pick among them, None where none does). A run
     of `belady` is never among them: it evicts knowing the future, and kvd cannot run it."""
-    met = [i for i, run in enumerate(runs) if meets(run, objectives) and not _foresight(run)]
+    met = [i for i, run in enumerate(runs) if meets(run, objectives) and not reads_the_future(run.policy)]
     inf = float("inf")
 
     def rank(i: int) -> tuple:
@@ -60,6 +56,6 @@ def slo_line(runs: Sequence, objectives: Sequence[FigureCondition], picked: tupl
         figures.append(f"first token p95 {run.ttft_p95_s:.2f} s")
     if run.e2e_p95_s is not None:
         figures.append(f"end to end p95 {run.e2e_p95_s:.2f} s")
-    runnable = sum(not _foresight(run) for run in runs)  # (belady's runs are not candidates)
+    runnable = sum(not reads_the_future(run.policy) for run in runs)  # (belady's runs are not candidates)
     return Text(said + f"{len(met)} of {runnable} runs meet it; the pick (the highest hit, then the lowest "
                 f"first-token p95): {describe(run)} ({', '.join(figures)})")

@@ -18,6 +18,15 @@ from kvctl.daemon.cache.keys import BlockKey
 from .trace import TraceRequest
 
 
+POLICY = "belady"  # the replay's policy name for it (a replay's alone: kvd has no such setting)
+
+
+def reads_the_future(policy_label: str) -> bool:
+    """Whether a replay's run (its policy as reports name it: `belady`, `belady+shares`) evicted knowing
+    the trace's future: a mark beside kvd's policies, never one to pick."""
+    return policy_label.split("+")[0] == POLICY
+
+
 class TraceFuture:
     """Each key's requests, in arrival order, and how far the replay has come (`horizon`)."""
 

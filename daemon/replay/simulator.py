@@ -78,8 +78,8 @@ from kvctl.policies.queue_order import (LPM_MAX_WAITING, by_prefix, by_priority,
                                        lpm_patience)
 from kvctl.policies.reservation import parse_reservation
 
+from .foresight import POLICY as FORESIGHT, TraceFuture
 from .service_rates import CONTEXT_UNIT
-from .foresight import TraceFuture
 from .trace import TraceRequest, own_output_keys
 
 
@@ -228,7 +228,7 @@ class ReplicaRun:
         self.requests, self.keys, self.max_hits, self.given_outputs = requests, keys, max_hits, outputs
         self.now = 0.0
         # `belady` reads the trace's future (foresight.py): each block's next use after the latest request started
-        self.future = TraceFuture(requests, keys, settings.block_size) if settings.policy == "belady" else None
+        self.future = TraceFuture(requests, keys, settings.block_size) if settings.policy == FORESIGHT else None
         policy = settings.policy if self.future is None else FarthestNextUseEviction(
             lambda block_id: self.future.next_use(self.manager.pool.blocks[block_id].key), lambda: self.future.horizon)
         self.manager = KVCacheManager(settings.num_blocks, settings.block_size, policy=policy, clock=lambda: self.now)

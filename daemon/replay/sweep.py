@@ -18,11 +18,12 @@ from kvctl.policies.routing import ROUTING_POLICIES, check_queue_limits, make_ro
 
 from .fleet import (RECORDED, FleetResult, check_queue_waits, check_speeds, limit_choices, placement_figures,
                     places_new_prefixes, replay_fleet)
+from .foresight import POLICY as FORESIGHT
 from .simulator import ReplayResult, ReplaySettings, max_hit_blocks, replay
 from .trace import TraceKeyer, TraceRequest
 from kvctl.daemon.cache.keys import validate_block_size
 
-REPLAY_POLICIES = (*EVICTION_POLICIES, "belady")  # kvd's, and the bound that reads the trace's future
+REPLAY_POLICIES = (*EVICTION_POLICIES, FORESIGHT)  # kvd's, and the mark that reads the trace's future
 
 
 def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policies: Sequence[str],
@@ -94,7 +95,7 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
     for policy in policies:
         if policy not in REPLAY_POLICIES:
             raise ValueError(f"policy: unknown value {policy!r}; choose from {', '.join(REPLAY_POLICIES)}")
-    if "belady" in policies:  # it reads the trace's future in arrival order (daemon/replay/foresight.py)
+    if FORESIGHT in policies:  # it reads the trace's future in arrival order (daemon/replay/foresight.py)
         if replicas > 1:
             raise ValueError("policy: belady reads one cache's future in the trace's order; a fleet's router decides "
                              "which replica meets each request (replay it without --replicas)")

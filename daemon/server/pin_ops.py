@@ -202,9 +202,9 @@ def unpin(service, pin_id: str, principal: Principal, detail: dict | None = None
 
 def list_pins(service, with_keys: bool = False, tenant: str | None = None) -> list[dict]:
     """Every pin (`tenant`: that tenant's only); `with_keys`: also its block keys (hex), which another
-    replica of the same block space can pin by (`pin_copy`). Each names the model or LoRA adapter it was made under
-    (`model`: its name served now; None where not served or not known) and, where no request
-    can reach it any more, why (`stranded`: stranded_reason)."""
+    replica of the same block space can pin by (`pin_copy`). Each names the model or LoRA adapter
+    it was made under (`model`: its name served now; None where not served or not known) and, where
+    no request can reach it any more, why (`stranded`: stranded_reason)."""
     engine = service.require_ready()
     space, names = _served(service)
     with service.engine_lock():  # what only the lock makes consistent; the rows and the keys' hex after it

@@ -274,9 +274,16 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     # ---- operator actions every replica carries out (daemon/server/fleet_admin.py); drained
     # replicas too: they still hold blocks and pins
-    async def everywhere(method: str, path: str, content: bytes | None, merge) -> JSONResponse:
+    async def everywhere(method: str, path: str, content: bytes | None, merge, lacking: str | None = None
+                         ) -> JSONResponse:
+        """`path` on every replica, their answers merged (fleet_admin.combine). `lacking`: for a path
+        kvd always answers where it has it, what a replica's 404 says instead (a kvd without it),
+        counted as a refusal rather than as "nothing of it"."""
         replicas = service.replicas
         answers = await each_replica(replicas, method, path, content, FLEET_ADMIN_TIMEOUT_S)
+        if lacking is not None:
+            answers = [(501, {"error": {"message": lacking}}) if status == 404 else (status, body)
+                       for status, body in answers]
         status, body = combine([r.name for r in replicas], answers, merge)
         return JSONResponse(body, status_code=status)
 
@@ -423,15 +430,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def unpin_tenant_everywhere(tenant: str, http: Request, _: Caller = Depends(admin)):
         """Every replica unpins the tenant's pins (stranded=true: its stranded ones)."""
         query = f"?{http.url.query}" if http.url.query else ""
-        replicas = service.replicas
-        answers = await each_replica(replicas, "DELETE", f"/admin/tenants/{quote(tenant, safe='')}/pins" + query,
-                                     None, FLEET_ADMIN_TIMEOUT_S)
-        # kvd answers a tenant without pins with none unpinned: a 404 is a kvd without this path
-        answers = [(501, {"error": {"message": "this kvd has no DELETE /admin/tenants/{tenant}/pins (an older "
-                                               "kvd): unpin the tenant's pins there by id"}}) if status == 404
-                   else (status, body) for status, body in answers]
-        status, body = combine([r.name for r in replicas], answers, merge_many_unpins)
-        return JSONResponse(body, status_code=status)
+        # (kvd answers a tenant without pins with none unpinned: a 404 is a kvd without the path)
+        return await everywhere("DELETE", f"/admin/tenants/{quote(tenant, safe='')}/pins" + query, None,
+                                merge_many_unpins, lacking="this kvd has no DELETE /admin/tenants/{tenant}/pins (an "
+                                                           "older kvd): unpin the tenant's pins there by id")
 
     @app.delete("/admin/pins/{pin_id}")
     async def unpin_everywhere(pin_id: str, _: Caller = Depends(admin)):
