@@ -71,6 +71,23 @@ def test_a_keys_next_use_is_the_first_request_after_the_horizon_that_could_hit_i
     assert future.next_use(keys[1][2]) == 1 and future.next_use(None) == math.inf
 
 
+def test_a_preempted_requests_keys_are_asked_for_next_until_it_starts_again():
+    trace = [req(0, 1024, [1, 2]), req(1, 1024, [3, 4]), req(2, 1024, [1, 5])]
+    keyer = TraceKeyer(256)
+    keys = [keyer.keys(r) for r in trace]
+    future = TraceFuture(trace, keys, 256)
+    future.horizon = 1  # r1 started; r0 was preempted and waits at the head of the queue
+    mine, shared = keys[1][0], keys[0][0]
+    assert (future.next_use(mine), future.next_use(shared)) == (math.inf, 2)
+    future.asked_again(keys[1])
+    future.asked_again(keys[0])  # (r0's keys, which r2 asks for too)
+    assert (future.next_use(mine), future.next_use(shared)) == (1.5, 1.5)  # next, before r2
+    future.restarted(keys[1])
+    assert (future.next_use(mine), future.next_use(shared)) == (math.inf, 1.5)
+    future.restarted(keys[0])
+    assert future.next_use(shared) == 2 and not future.again
+
+
 # three prefixes in turn, a cache that holds two: least recently used evicts each one just before
 # it comes back; knowing the future keeps what comes back next
 CYCLE = [req(i * 1000, 1024, [[1, 2], [3, 4], [5, 6]][i % 3]) for i in range(6)]

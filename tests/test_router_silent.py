@@ -209,7 +209,7 @@ def test_a_long_answer_from_a_replica_that_answers_its_questions_is_waited_for(r
     question each 5 s meanwhile: the request is waited for, and answered."""
     service, app, transport, now = fleet_of_one(replicas[0], monkeypatch, answers=True, until=1100.0)
     answer = while_the_clock_runs(app, now, lambda c: c.post("/v1/completions", json={
-        "prompt": "Tell me a story.", "max_tokens": 4}))
+        "prompt": "Tell me a story.", "max_tokens": 4, "ignore_eos": True}))  # (all 4, not an end sampled early)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
     probes = transport.asked[transport.asked.index("/v1/completions") + 1:]
     assert set(probes) == {"/admin/route-facts"} and len(probes) >= 15

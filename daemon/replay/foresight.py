@@ -4,13 +4,15 @@ block key of the trace is next asked for, in requests of arrival order.
 A request asks for the keys of its prompt that a hit could serve (its whole blocks before its last
 token). The horizon is the latest request the replay has started: a key's next use is the first
 request after it that asks for the key. With a FIFO queue requests start in arrival order, so
-that is the order the cache meets them in (a request preempted and started again asks again for
-what it had; the future does not count that use)."""
+that is the order the cache meets them in. A request preempted waits at the head of the queue and
+asks again for what it had when it starts again: until then its keys are asked for next, before
+any request after the horizon."""
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from typing import Sequence
 
 from kvctl.daemon.cache.keys import BlockKey
@@ -37,9 +39,24 @@ class TraceFuture:
                 uses.setdefault(key, []).append(index)
         self.uses = uses
         self.horizon = -1  # the latest request started (-1: none yet)
+        self.again: Counter[BlockKey] = Counter()  # keys preempted requests ask for again as they restart
+
+    def asked_again(self, keys: Sequence[BlockKey]) -> None:
+        """A request preempted: it asks for `keys` again when it restarts, first in the queue."""
+        self.again.update(keys)
+
+    def restarted(self, keys: Sequence[BlockKey]) -> None:
+        """The request preempted with `keys` started again: they are asked for as the trace says."""
+        self.again.subtract(keys)
+        for key in keys:
+            if self.again[key] <= 0:
+                del self.again[key]
 
     def next_use(self, key: BlockKey | None) -> float:
-        """The first request after the horizon that asks for `key` (math.inf: none does)."""
+        """The first request after the horizon that asks for `key`, or sooner, just after the horizon,
+        where a preempted request waits to ask for it again (math.inf: none does)."""
+        if key in self.again:
+            return self.horizon + 0.5
         asked = self.uses.get(key) if key is not None else None
         if not asked:
             return math.inf

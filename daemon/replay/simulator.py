@@ -361,6 +361,8 @@ class ReplicaRun:
                 future.horizon = horizon
             return False
         t1 = time.perf_counter_ns()
+        if future is not None and index in self.preempted:
+            future.restarted(self.keys[index] + output)
         manager.append(seq_id, tokens - admission.hit_tokens, later)
         t2 = time.perf_counter_ns()
         self.call_ns.append(t1 - t0)
@@ -721,6 +723,8 @@ class ReplicaRun:
                 self.manager.append(str(index), missing)  # (within its slots: takes no block)
             written = request.input_length + max(made - 1, 0)
         self.anchors.pop(index, None)
+        if self.future is not None:  # (before its blocks become evictable: what it asks again is asked next)
+            self.future.asked_again(self.keys[index] + self.output_keys(index))
         t0 = time.perf_counter_ns()
         self.manager.release(str(index), written_tokens=written)
         self.call_ns.append(time.perf_counter_ns() - t0)
