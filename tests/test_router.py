@@ -134,13 +134,21 @@ def drive(app, steps, service=None, synced=None):
 
 async def until_followed(service, indexes, settled=False, timeout=20.0):
     """Wait until each named replica's view is synced with a load answer (and, with `settled`,
-    its feed has confirmed or dropped everything the router sent there)."""
+    its feed has confirmed or dropped everything the router sent there, and the view has read
+    every event the replica logged so far: a reply's last blocks are logged as it is made, after
+    its prompt's were confirmed, and the follower may not have read them yet)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+
+    async def caught_up(replica) -> bool:
+        answer = await replica.client.get("/admin/events", params={"since": replica.view.seq, "limit": 1})
+        return answer.status_code == 200 and not answer.json()["events"]
+
     while True:
         views = [service.replicas[i].view for i in indexes]
         if all(v.synced and v.load is not None and not (settled and v.pending) for v in views):
-            return
+            if not settled or all([await caught_up(service.replicas[i]) for i in indexes]):
+                return
         assert loop.time() < deadline, service.status()
         await asyncio.sleep(0.02)
 
