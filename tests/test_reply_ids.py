@@ -302,6 +302,31 @@ def test_a_response_s_next_turn_hits_its_reply(daemon):
     assert second["usage"]["input_tokens_details"]["cached_tokens"] == (len(prompt) + made - 1) // BLOCK * BLOCK
 
 
+def test_admin_reply_ids_names_the_ids_kept_of_each_text_for_the_tenant(daemon):
+    """`POST /admin/reply-ids` (what kvd router's events view asks of a Responses answer it relays):
+    the ids each text is prompted back as, for the tenant that was answered; None for a text kvd keeps
+    no reply of (edited, another tenant's)."""
+    from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, call
+
+    service, unix, tcp = daemon
+    turn, text, made = first_turn(unix, "Which ids does the router ask for?", seed=1)
+    reply = made[:-1] if made[-1] == service.loaded.tokenizer.eos_token_id else made
+    digest = service.loaded.tokenizer.digest
+    answer = call(unix, "POST", "/admin/reply-ids", json={"texts": [text, text + "!", "never said"]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"tenant": "default", "tokenizer_digest": digest, "ids": [reply, None, None]}
+    assert call(unix, "POST", "/admin/reply-ids", json={"texts": [text], "tenant": "acme"}).json()["ids"] == [None]
+    # a tenant's own: a user's token is not an admin's
+    admin, user = ({"Authorization": f"Bearer {token}"} for token in (ADMIN_TOKEN, USER_TOKEN))
+    assert call(tcp, "POST", "/admin/reply-ids", headers=user, json={"texts": [text]}).status_code == 403
+    for body, param, words in (({"texts": []}, "texts", "at least 1"), ({"texts": ["a"] * 65}, "texts", "at most 64"),
+                               ({"texts": [text], "tenant": "no tenant"}, "tenant", "pattern"),
+                               ({"texts": [5]}, "texts", "valid string (got 5)")):
+        refused = call(tcp, "POST", "/admin/reply-ids", headers=admin, json=body)
+        assert refused.status_code == 400, body
+        assert refused.json()["error"]["param"] == param and words in refused.json()["error"]["message"], refused.text
+
+
 def test_with_a_disk_tier_the_replies_ids_outlive_a_restart_and_the_next_turn_hits_its_reply(tmp_path):
     """The disk tier keeps the cache's blocks through a restart, and kvd the replies' ids (written as
     it stops, read back as it starts): the next turn after the restart hits the first prompt and the

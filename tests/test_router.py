@@ -136,7 +136,8 @@ async def until_followed(service, indexes, settled=False, timeout=20.0):
     """Wait until each named replica's view is synced with a load answer (and, with `settled`,
     its feed has confirmed or dropped everything the router sent there, and the view has read
     every event the replica logged so far: a reply's last blocks are logged as it is made, after
-    its prompt's were confirmed, and the follower may not have read them yet)."""
+    its prompt's were confirmed, and the follower may not have read them yet; and the router has
+    its answers to the questions for the ids of the Responses replies it relayed)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
 
@@ -146,7 +147,8 @@ async def until_followed(service, indexes, settled=False, timeout=20.0):
 
     while True:
         views = [service.replicas[i].view for i in indexes]
-        if all(v.synced and v.load is not None and not (settled and v.pending) for v in views):
+        if all(v.synced and v.load is not None and not (settled and v.pending) for v in views) and not (
+                settled and service.reply_ids_asked):
             if not settled or all([await caught_up(service.replicas[i]) for i in indexes]):
                 return
         assert loop.time() < deadline, service.status()

@@ -358,3 +358,115 @@ def test_a_home_that_cannot_be_found_while_a_replica_does_not_answer_is_a_503_no
     assert found.status_code == 200 and found.json() == made.json() and found.headers["x-kvd-replica"] == "replica-0"
     assert hung.unanswered.in_a_row == 0
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"  # every one answered
+
+
+@pytest.mark.parametrize("view, stream", [("events", False), ("events", True), ("ask", False)])
+def test_a_stateless_next_turn_is_counted_with_the_replies_the_replica_keeps_the_ids_of(replicas, view, stream):
+    """A client that sends its whole conversation each turn (`store: false`, as agents do) gets its
+    replies spliced in as their ids at the replica that answered, as a chat does. A Responses answer
+    carries no ids, so in the events view the router asks that replica for those it keeps of the
+    replies it relayed (POST /admin/reply-ids, after the answer) and counts the next turn as the
+    replica caches it; before, its count stopped at the first reply that tokenizes otherwise."""
+    from .daemon_fixtures import call
+    from .test_router import routed_cached, until_followed
+
+    system = f"[{view} {stream}] A stateless conversation of the Responses API that goes on. " * 4
+    service, app = router_app(replicas, "prefix", view=view)
+    opening = [{"role": "system", "content": system}, {"role": "user", "content": "Q1?"}]
+    turns = []
+
+    async def first(client):
+        turns.append(await client.post("/v1/responses", json={
+            "input": opening, "max_output_tokens": 20, "temperature": 1.0, "seed": 0, "store": False,
+            "stream": stream}))
+        return turns[-1]
+
+    def output_of(answer) -> list[dict]:
+        return sse_events(answer)[-1]["response"]["output"] if stream else answer.json()["output"]
+
+    async def settled(client):
+        if view == "events":
+            await until_followed(service, (0, 1), settled=True)
+
+    async def second(client):
+        return await client.post("/v1/responses", json={
+            "input": opening + output_of(turns[0]) + [{"role": "user", "content": "And then?"}],
+            "max_output_tokens": 2, "store": False})
+
+    one, _, two = drive(app, [first, settled, second], service=service if view == "events" else None)
+    assert one.headers["x-kvd-replica"] == two.headers["x-kvd-replica"]  # where the conversation is
+    home = replicas[int(one.headers["x-kvd-replica"][-1])]
+    [message] = output_of(one)
+    text = message["content"][0]["text"]
+    kept = call(home, "POST", "/admin/reply-ids", json={"texts": [text]}).json()
+    [made] = kept["ids"]  # the replica keeps the reply's ids (less its stop token) ...
+    first_prompt = call(home, "POST", "/tokenize", json={"messages": opening}).json()["tokens"]
+    again = call(home, "POST", "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert again != made  # ... which its text does not tokenize to
+    cached = two.json()["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached >= (len(first_prompt) + len(made) - 1) // 16 * 16
+    assert routed_cached(two) == cached  # the router counted the reply as the replica cached it
+    if view == "events":
+        assert service.reply_ids.ids_for("default", kept["tokenizer_digest"], text) == made
+        assert service.reply_ids_asked == 0
+
+
+def test_a_relayed_response_s_assistant_texts_are_asked_for_once_it_is_whole():
+    """ResponseReplyWatch: the assistant messages' texts (output_text parts joined by newlines, as the
+    next turn's input reads them back), once the answer is whole; nothing of one still running, of a
+    message with a part that is not text, or of what is not JSON."""
+    from kvctl.daemon.server.router_replies import ResponseReplyWatch
+
+    asked = []
+    watch = ResponseReplyWatch(asked.append)
+    message = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "one"},
+                                                                   {"type": "output_text", "text": "two"}]}
+    reasoning = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]}
+    call_item = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    refusal = {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}
+    watch.answer(json.dumps({"status": "completed", "output": [reasoning, message, call_item, refusal]}).encode())
+    watch.answer(json.dumps({"status": "queued", "output": []}).encode())  # (background: answered later)
+    watch.answer(json.dumps({"status": "in_progress", "output": [message]}).encode())
+    watch.answer(b"<html>a proxy's page</html>")
+    assert asked == [["one\ntwo"]]
+
+    def event(kind: str, **fields) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
+
+    asked.clear()
+    watch.events(event("response.created", response={"status": "in_progress", "output": []})
+                 + event("response.output_text.delta", delta="one") + b"data: {not json\n\n")
+    watch.events(event("response.output_item.done", item=message))
+    assert asked == []
+    watch.events(event("response.incomplete", response={"status": "incomplete", "output": [message]}))
+    watch.events(event("response.completed", response={"status": "completed", "output": [reasoning]}))
+    assert asked == [["one\ntwo"]]
+
+
+@pytest.mark.parametrize("answer, kept", [
+    ((200, {"tokenizer_digest": "bytes-1", "ids": [list(b"hello"), None]}), {"hello": list(b"hello")}),
+    ((404, {"detail": "Not Found"}), {}),  # a kvd from before the route: the replies stay read as text
+    ((200, {"tokenizer_digest": "bytes-2", "ids": [list(b"hello"), None]}), {}),  # another tokenizer's ids
+    ((200, {"tokenizer_digest": "bytes-1", "ids": [[True, 5], list(b"x")]}), {}),  # not ids; not that text's
+    ((500, "nonsense"), {}), (None, {}),  # a failure; no answer at all
+])
+def test_the_router_keeps_the_ids_a_replica_gives_and_no_other(answer, kept):
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    from .test_router_chat import Bytes
+
+    questions = []
+
+    def handle(request):
+        questions.append((request.url.path, json.loads(request.content)))
+        if answer is None:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(answer[0], json=answer[1])
+
+    replica = Replica("r", replica_client("/run/r.sock", transport=httpx.MockTransport(handle)))
+    service = RouterService([replica], make_router("prefix"), view="events")
+    asyncio.run(service._fetch_reply_ids(replica, "acme", Bytes, ["hello", "there"]))
+    assert questions == [("/admin/reply-ids", {"tenant": "acme", "texts": ["hello", "there"]})]
+    assert {text: service.reply_ids.ids_for("acme", "bytes-1", text) for text in kept} == kept
+    assert service.reply_ids.figures()["replies"] == len(kept)

@@ -174,6 +174,13 @@ class ResponsesPurge(BaseModel):
     dry_run: StrictBool = False
 
 
+class ReplyIdsRequest(BaseModel):
+    """`POST /admin/reply-ids`: the ids kvd keeps of replies it gave `tenant`, by their text (a
+    router's events view asks for those of the Responses answers it relays: router_replies.py)."""
+    tenant: Tenant | None = None  # whose replies (None: the caller's)
+    texts: Annotated[list[str], Field(min_length=1, max_length=64)]
+
+
 class ExplainRequest(BaseModel):
     text: str | None = None
     tokens: list[Count] | None = None

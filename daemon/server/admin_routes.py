@@ -24,8 +24,8 @@ from kvctl.daemon.model.chat_template import ChatTemplateError
 from . import (cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops, health_checks, inflight, lora_ops,
                pin_ops, prefix_ops, reload_ops, response_admin, rollout_ops, sleep_ops, tier_ops, weights_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
-                           LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, ResponsesPurge, RolloutAdvance,
-                           RolloutRollback,
+                           LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, ReplyIdsRequest, ResponsesPurge,
+                           RolloutAdvance, RolloutRollback,
                            RolloutStart, SleepRequest, SwapRequest, UnloadLoraAdapterRequest,
                            UpdateWeightsFromDiskRequest, VerifyRequest, WakeRequest, WeightsRequest)
 from .api_errors import ApiError, checked_ids
@@ -324,6 +324,17 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         facts = cache_questions.route_facts(service, tokens_of(body, tenant), tenant, adapter, body.priority)
         return {**facts, "tenant_header": tenant_header,
                 "report_cached_tokens": service.config.report_cached_tokens}  # a router's X-KVD-Route keeps to it
+
+    @router.post("/admin/reply-ids")
+    def reply_ids(body: ReplyIdsRequest, who: Principal = Depends(admin)):
+        """The ids of each text that is a reply kvd keeps for the tenant (None where it keeps none:
+        another tenant's, edited, let go for room), under the tokenizer named by its digest: what a
+        chat's next turn is prompted with in its place (reply_ids.py). kvd router's events view asks
+        it for the replies of the Responses answers it relays, which carry no token ids."""
+        service.require_ready()
+        tokenizer, tenant = service.loaded.tokenizer, body.tenant or who.tenant
+        return {"tenant": tenant, "tokenizer_digest": tokenizer.digest,
+                "ids": [service.reply_ids.ids_for(tenant, tokenizer.digest, text) for text in body.texts]}
 
     @router.post("/admin/rollouts")
     def rollout_start(body: RolloutStart, who: Principal = Depends(admin)):

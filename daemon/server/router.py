@@ -972,8 +972,11 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                       http.headers.get("x-request-id"))
         media = upstream.headers.get("content-type", "application/json")
         # the events view keeps a chat's replies' ids as the replica does (router_replies.py)
-        watch = service.reply_watch(replica, tenant) if path == "/v1/chat/completions" \
-            and upstream.status_code == 200 else None
+        watch = None
+        if upstream.status_code == 200 and path == "/v1/chat/completions":
+            watch = service.reply_watch(replica, tenant)
+        elif upstream.status_code == 200 and path == "/v1/responses":
+            watch = service.response_reply_watch(replica, tenant)
 
         def failed_mid_answer(exc: Exception, events: int) -> str:
             replica.failed_forwards += 1

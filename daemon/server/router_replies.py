@@ -14,6 +14,14 @@ ids say the text exactly), in a `ReplyIds` of the router's own (`reply_ids_bytes
 the replica served it under and its tokenizer. The chat's next turn is then rendered with those
 replies spliced in, as the replica renders it.
 
+A Responses answer (`/v1/responses`, a chat turn at the replica: a client that sends its whole
+conversation each time, `store: false`, continues by these replies too) carries no token ids. So
+`ResponseReplyWatch` reads its assistant messages' texts, as the next turn's input gives them back
+(output_text parts joined by newlines), and once it is whole the router asks the replica that
+answered for the ids it keeps of them (`POST /admin/reply-ids`), after the answer, off its path:
+what the replica keeps, the router keeps. A replica that does not know the route (404) or does not
+answer leaves the router counting those replies as text, as before.
+
 Not where prompts cross a KV transfer (disaggregated: both sides tokenize the text, as the replica
 does), nor in the ask view (each replica renders the chat itself). A reply the replica let go of
 for room and the router kept still counts: the router then says the home holds more than it does,
@@ -83,3 +91,61 @@ class ReplyWatch:
     def _kept(self, ids: list, text: str) -> None:
         if all(isinstance(token, int) and not isinstance(token, bool) for token in ids):
             self.keep(ids, text)
+
+
+Ask = Callable[[list[str]], None]  # (the answer's assistant texts): ask the replica for their ids
+
+
+def assistant_texts(response: dict) -> list[str]:
+    """A Responses answer's assistant messages, each as its text parts joined by newlines (as the
+    next turn's input reads them back: responses_input.py); none where a part is not text."""
+    texts = []
+    for item in response.get("output") or []:
+        if not isinstance(item, dict) or item.get("type") != "message" or item.get("role") != "assistant":
+            continue
+        parts = item.get("content")
+        if not isinstance(parts, list) or not parts or not all(
+                isinstance(part, dict) and part.get("type") == "output_text" and isinstance(part.get("text"), str)
+                for part in parts):
+            continue
+        text = "\n".join(part["text"] for part in parts)
+        if text:
+            texts.append(text)
+    return texts
+
+
+class ResponseReplyWatch:
+    """Reads one relayed Responses answer and hands its assistant texts to `ask` once it is whole
+    (the answer itself, or a stream's `response.completed` or `response.incomplete`). Like
+    ReplyWatch, it never stands in the answer's way."""
+
+    ENDS = ("response.completed", "response.incomplete")
+
+    def __init__(self, ask: Ask) -> None:
+        self.ask = ask
+
+    def answer(self, content: bytes) -> None:
+        """A whole answer (not streamed)."""
+        try:
+            response = json.loads(content)
+        except ValueError:
+            return
+        if isinstance(response, dict) and response.get("status") in ("completed", "incomplete"):
+            self._asked(response)
+
+    def events(self, raw: bytes) -> None:
+        """Whole server-sent events of a streamed answer, as relayed."""
+        for line in raw.split(b"\n"):
+            if not line.startswith(b"data: {"):
+                continue
+            try:
+                event = json.loads(line[6:])
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("type") in self.ENDS and isinstance(event.get("response"), dict):
+                self._asked(event["response"])
+
+    def _asked(self, response: dict) -> None:
+        texts = assistant_texts(response)
+        if texts:
+            self.ask(texts)

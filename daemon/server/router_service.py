@@ -46,7 +46,7 @@ from .replica_view import ReplicaView
 from .response_homes import ResponseHomes
 from .silent_replicas import GIVE_UP_SILENT_S, PROBE_EVERY_S
 from .reply_ids import REPLY_IDS_BYTES, ReplyIds
-from .router_replies import ReplyWatch, keeper
+from .router_replies import ResponseReplyWatch, ReplyWatch, keeper
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
 
 log = logging.getLogger("kvd.router")
@@ -252,6 +252,7 @@ class RouterService:
         self._following = False
         self._leaving: set[asyncio.Task] = set()  # replicas on their way out (`remove`)
         self._welcoming: set[asyncio.Task] = set()  # replicas joining: the fleet's pins are copied to them
+        self._fetching: set[asyncio.Task] = set()  # asking replicas for the ids of Responses replies relayed
         self._homes_made = itertools.count()  # conversation_home's order of choices
         for replica in self.replicas:
             self._prepare(replica)
@@ -541,6 +542,48 @@ class RouterService:
             return None
         tokenizer = self.tokenizers.by_digest.get(view.namespace["tokenizer_digest"])
         return None if tokenizer is None else ReplyWatch(keeper(self.reply_ids, tokenizer, view.tenant_for(tenant)))
+
+    def response_reply_watch(self, replica: Replica, tenant: str | None) -> ResponseReplyWatch | None:
+        """A reader of the Responses answer `replica` gives `tenant`'s request: once it is whole, the
+        router asks the replica, in the background, for the ids it keeps of its replies and keeps them
+        (router_replies.py); None where `reply_watch` would be."""
+        view = replica.view
+        if not self.splices_replies or view is None or not view.namespace:
+            return None
+        tokenizer = self.tokenizers.by_digest.get(view.namespace["tokenizer_digest"])
+        if tokenizer is None:
+            return None
+        served = view.tenant_for(tenant)
+
+        def ask(texts: list[str]) -> None:
+            task = asyncio.get_running_loop().create_task(self._fetch_reply_ids(replica, served, tokenizer, texts))
+            self._fetching.add(task)
+            task.add_done_callback(self._fetching.discard)
+        return ResponseReplyWatch(ask)
+
+    @property
+    def reply_ids_asked(self) -> int:
+        """Questions for the ids of Responses replies relayed not answered yet (`response_reply_watch`)."""
+        return len(self._fetching)
+
+    async def _fetch_reply_ids(self, replica: Replica, tenant: str, tokenizer, texts: list[str]) -> None:
+        """Keep the ids `replica` keeps of `tenant`'s replies `texts`, where its tokenizer is the one
+        the router renders its prompts with. A replica that cannot say (an older kvd's 404, an error,
+        no answer in time) leaves them read as text."""
+        try:
+            answer = await replica.client.post("/admin/reply-ids", json={"tenant": tenant, "texts": texts},
+                                               timeout=ASK_TIMEOUT_S)
+            body = answer.json() if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("replica %s did not give reply ids: %s", replica.name, described(exc))
+            return
+        if not isinstance(body, dict) or body.get("tokenizer_digest") != tokenizer.digest \
+                or not isinstance(body.get("ids"), list):
+            return
+        keep = keeper(self.reply_ids, tokenizer, tenant)
+        for text, ids in zip(texts, body["ids"]):
+            if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                keep(ids, text)
 
     @property
     def disaggregated(self) -> bool:
