@@ -176,6 +176,8 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
                         + f": {d['blocks']} blocks for tenant {d['tenant']}{cached}"
                         + (f", expires in {duration(d['expires_in_seconds'])}" if d.get("expires_in_seconds") else ""))
         replica_lines(d, lambda row: f"{row['cached_blocks']} cached" + (", warmed" if row["warmed"] else ""))
+        if d.get("was"):
+            Console().print(pinned_again(d["was"], d), highlight=False, soft_wrap=True)
         missing = d["blocks"] - d["cached_blocks"]
         if not fleet and missing > 0 and not d["warmed"]:  # the warm was cancelled or is still running
             them = "them" if missing != 1 else "it"
@@ -185,6 +187,24 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
     emit(data, as_json, render)
     if data.get("result") == "partial":
         raise typer.Exit(3)
+
+
+def pinned_again(was: dict, now: dict) -> str:
+    """What pinning a pinned prefix again changed: this call's owner, note and expiry replace the
+    pin's (none given: it no longer expires, its note is empty), so say what they were."""
+    changes = []
+    before, after = was.get("expires_in_seconds"), now.get("expires_in_seconds")
+    if before is not None and after is None:
+        changes.append(f"it no longer expires (it had {duration(before)} left; --ttl keeps an expiry)")
+    elif before is None and after is not None:
+        changes.append("it had no expiry")
+    elif before is not None:
+        changes.append(f"it had {duration(before)} left")
+    if was.get("note") != now.get("note"):
+        changes.append(f"its note was {was.get('note')!r}" + ("" if now.get("note") else " (--note keeps one)"))
+    if was.get("owner") != now.get("owner"):
+        changes.append(f"its owner was {was.get('owner')}")
+    return "pinned already: " + ("; ".join(changes) if changes else "nothing else changed")
 
 
 def pins(ctx: typer.Context,

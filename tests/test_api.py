@@ -712,6 +712,34 @@ def test_pins_survive_a_restart(tmp_path):
         second.shutdown(1)
 
 
+def test_a_pin_made_again_says_what_it_was_and_keeps_when_it_was_first_made(tmp_path):
+    """Pinning a pinned prefix again sets its owner, note and expiry to this call's (none: it no
+    longer expires): the answer and the audit say what they were; the store keeps its first
+    making, so a restart shows the same `created_at`."""
+    first = start_service(tmp_path)
+    unix, tcp = apps(first, token_table(tmp_path))
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    prompt = "A prefix pinned twice, long enough for two blocks of sixteen tokens."
+    made = call(unix, "POST", "/admin/pins", json={"text": prompt, "ttl": "1h", "note": "support"}).json()
+    assert made["refreshed"] is False and "was" not in made
+    again = call(tcp, "POST", "/admin/pins", headers=admin, json={"text": prompt, "tenant": "default"}).json()
+    assert (again["pin_id"], again["refreshed"], again["note"], again["expires_at"]) == (made["pin_id"], True, "",
+                                                                                          None)
+    assert again["was"]["owner"] == made["owner"] and again["was"]["note"] == "support"
+    assert 3590 < again["was"]["expires_in_seconds"] <= 3600 and again["owner"] != made["owner"]
+    assert abs(again["created_at"] - made["created_at"]) < 0.05
+    audit = call(unix, "GET", "/admin/audit", params={"action": "pin"}).json()["entries"]
+    assert [e["detail"].get("was", {}).get("note") for e in audit] == ["support", None]  # newest first
+    first.shutdown(1)
+    second = start_service(tmp_path)
+    try:
+        unix, _ = apps(second, token_table(tmp_path))
+        [pin] = call(unix, "GET", "/admin/pins").json()["pins"]
+        assert abs(pin["created_at"] - made["created_at"]) < 0.05 and pin["expires_at"] is None
+    finally:
+        second.shutdown(1)
+
+
 def test_a_ttl_of_no_finite_span_is_refused_and_one_stored_before_is_kept_until_unpinned(tmp_path):
     """`--ttl inf` (or 1e308d) pinned a prefix whose expiry could not be rendered: /admin/pins
     answered 500 from then on, across restarts, so the pin could not even be listed to remove it."""

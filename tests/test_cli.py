@@ -979,6 +979,28 @@ def test_pin_by_prefix_id_sends_the_id_and_refuses_text_beside_it(capsys, monkey
     assert status != 0 and err.strip() == "error: give exactly one of TEXT, --tokens, --file, --messages or --prefix"
 
 
+@pytest.mark.parametrize("was, now, said", [
+    ({"owner": "ops", "note": "support bot", "expires_in_seconds": 2520.0}, {"note": "", "expires_in_seconds": None},
+     "pinned already: it no longer expires (it had 42m left; --ttl keeps an expiry); its note was 'support bot' "
+     "(--note keeps one)"),
+    ({"owner": "ops", "note": "x", "expires_in_seconds": None}, {"note": "x", "expires_in_seconds": 3600.0},
+     "pinned already: it had no expiry"),
+    ({"owner": "cron", "note": "x", "expires_in_seconds": 60.0}, {"note": "y", "expires_in_seconds": 86400.0},
+     "pinned already: it had 1m left; its note was 'x'; its owner was cron"),
+    ({"owner": "ops", "note": "", "expires_in_seconds": None}, {"note": "", "expires_in_seconds": None},
+     "pinned already: nothing else changed"),
+])
+def test_a_pin_made_again_says_what_its_expiry_note_and_owner_were(capsys, monkeypatch, was, now, said):
+    import kvctl.ops as ops
+
+    answer = {"pin_id": "pin-0123456789abcdef", "blocks": 3, "tenant": "acme", "cached_blocks": 3, "warmed": False,
+              "owner": "ops", "refreshed": True, "was": was, **now}
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: type("Fake", (), {
+        "post": lambda self, path, body: answer})())
+    status, out, _ = cli(capsys, "pin", "A system prompt.")
+    assert status == 0 and out.splitlines()[1] == said
+
+
 def test_a_pin_not_warmed_says_how_its_other_blocks_come_to_be_pinned(capsys, monkeypatch):
     """kvd answers "warmed": false when the warm request was cancelled or had not ended: kvctl
     says what becomes of the blocks not cached yet."""

@@ -215,8 +215,10 @@ def test_pin_before_cache_pins_blocks_when_they_fill(clock):
     run_prompt(m, "r1", PROMPT)
     m.release("r1")
     assert m.state_counts()["pinned"] == 2 and m.pool.policy.order() == []
+    first_expiry = result.pin.expires_at
     again = m.pin(NS, PROMPT[:8], owner="ops2", ttl=60)
     assert again.refreshed and again.pin.pin_id == result.pin.pin_id and again.pin.owner == "ops2"
+    assert again.was == {"owner": "ops", "note": "system prompt", "expires_at": first_expiry} and result.was is None
     clock.advance(59)
     assert m.expire_pins() == []
     clock.advance(1)

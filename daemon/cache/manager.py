@@ -101,6 +101,8 @@ class PinResult:
     cached_blocks: int  # blocks of the prefix in the cache now (pinned at once)
     pending_blocks: int  # blocks not cached yet; pinned when a request fills them
     refreshed: bool  # True when an existing pin of the same prefix was updated
+    # refreshed: the pin's owner, note and expires_at (the clock's; None: none) before this call set them
+    was: dict | None = None
 
 
 ROOTS_MARGIN = 1024  # roots kept beyond twice the pool's blocks before the forgotten ones go
@@ -701,12 +703,14 @@ class KVCacheManager:
 
     def pin_keys(self, tenant: str, keys: Sequence[BlockKey], *, ttl: float | None = None,
                  owner: str = "", note: str = "", space: str | None = None,
-                 adapter_id: str | None = None, leave_room: bool = True) -> PinResult:
+                 adapter_id: str | None = None, leave_room: bool = True,
+                 created_at: float | None = None) -> PinResult:
         """Pin a chain of block keys for `tenant` (its budget pays). `space` and `adapter_id`:
         where the keys were made (Pin), when known; pinning the same keys again refreshes the
         pin's owner, note and TTL, and fills in what it did not know of where they were made.
         `leave_room`: refuse a pin that would leave requests fewer blocks than `pin_room_blocks`
-        beside the pins (PinLeavesNoRoom; False: a pin restored as it stood)."""
+        beside the pins (PinLeavesNoRoom; False: a pin restored as it stood). `created_at`: when
+        it was first made, on this clock (a pin restored: before the restart; None: now)."""
         if not keys:
             raise InvalidRequest("keys: a pin needs at least one block")
         if ttl is not None and not 0 < ttl < math.inf:
@@ -718,10 +722,11 @@ class KVCacheManager:
         cached = len(self.pool.match(key_tuple))
         if pin_id in self.pins:
             existing = self.pins.get(pin_id)
+            was = {"owner": existing.owner, "note": existing.note, "expires_at": existing.expires_at}
             existing.owner, existing.note, existing.expires_at = owner, note, expires
             existing.space = existing.space if space is None else space
             existing.adapter_id = existing.adapter_id if adapter_id is None else adapter_id
-            return PinResult(existing, cached, len(key_tuple) - cached, refreshed=True)
+            return PinResult(existing, cached, len(key_tuple) - cached, refreshed=True, was=was)
         self.pins.check_budget(tenant, key_tuple)
         # (a prefix longer than the whole cache is the warm's to refuse: it never fits)
         if leave_room and (floor := self.pin_room_blocks) and len(key_tuple) <= self.num_blocks:
@@ -729,7 +734,8 @@ class KVCacheManager:
             pinned_after = self.pool.num_pin_keys + added
             if added and self.num_blocks - pinned_after < floor:
                 raise PinLeavesNoRoom(added, pinned_after, self.num_blocks, floor)
-        pin = Pin(pin_id, tenant, key_tuple, owner, note, now, expires, space, adapter_id)
+        pin = Pin(pin_id, tenant, key_tuple, owner, note, now if created_at is None else created_at, expires, space,
+                  adapter_id)
         self.pins.add(pin)
         self.pool.add_pin_refs(key_tuple, now)
         return PinResult(pin, cached, len(key_tuple) - cached, refreshed=False)

@@ -137,11 +137,12 @@ def _pinned(service, result, principal: Principal, ttl: float | None, note: str,
     engine = service.engine
     with service.lock:
         cached = engine.cache.lookup(result.pin.keys)
+        now = engine.clock()
     pin = result.pin
-    try:
+    try:  # (made again: it keeps when it was first made)
         service.store.save_pin({"pin_id": pin.pin_id, "tenant": pin.tenant,
                                 "keys": ",".join(k.hex() for k in pin.keys), "owner": pin.owner,
-                                "note": pin.note, "created_at": time.time(),
+                                "note": pin.note, "created_at": unix_time(pin.created_at, now),
                                 "expires_at": None if ttl is None else time.time() + ttl,
                                 "space": pin.space, "adapter_id": pin.adapter_id})
     except StoreUnavailable as exc:  # a pin that would not survive a restart is no pin
@@ -150,10 +151,15 @@ def _pinned(service, result, principal: Principal, ttl: float | None, note: str,
                 engine.cache.unpin(pin.pin_id)
         raise ServiceError(503, f"{exc}: " + ("the pin's new expiry holds until kvd restarts" if result.refreshed
                                                else "nothing was pinned"), "pin") from None
-    body = {**_pin_times(pin.describe(), engine.clock()), "cached_blocks": cached, "warmed": warmed,
+    body = {**_pin_times(pin.describe(), now), "cached_blocks": cached, "warmed": warmed,
             "refreshed": result.refreshed}
+    detail = {"blocks": pin.num_blocks, "ttl": ttl, "note": note}
+    if result.was is not None:  # made again: what it was before this call set its owner, note and expiry
+        was = result.was
+        body["was"] = detail["was"] = {"owner": was["owner"], "note": was["note"], "expires_in_seconds": (
+            None if was["expires_at"] is None else max(was["expires_at"] - now, 0.0))}
     service.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target=pin.pin_id,
-                        result="ok", detail={"blocks": pin.num_blocks, "ttl": ttl, "note": note})
+                        result="ok", detail=detail)
     return body
 
 
@@ -384,6 +390,7 @@ def restore_pins(service) -> list[str]:
     Returns the ids of those that lapsed while kvd was down, for the caller to take off the
     store (not here, under the engine's lock, where a locked store would hold up the start)."""
     now, lapsed = time.time(), []
+    clock = service.engine.clock()
     for row in service.store.pins():
         remaining = None if row["expires_at"] is None else row["expires_at"] - now
         if remaining is not None and not math.isfinite(remaining):  # stored before ttls had to be finite
@@ -396,10 +403,19 @@ def restore_pins(service) -> list[str]:
         try:
             service.engine.cache.pin_keys(row["tenant"], keys, ttl=remaining, owner=row["owner"],
                                           note=row["note"], space=row.get("space"), adapter_id=row.get("adapter_id"),
-                                          leave_room=False)  # the pins as they stood: warn_no_room warns
+                                          leave_room=False,  # the pins as they stood: warn_no_room warns
+                                          created_at=_on_clock(row.get("created_at"), now, clock))
         except PinBudgetExceeded as exc:
             log.warning("pin %s not restored: %s", row["pin_id"], exc)
     return lapsed
+
+
+def _on_clock(stored, now: float, clock: float) -> float | None:
+    """A stored Unix time on the engine's clock (`clock` read at Unix time `now`); None where it is
+    no finite time (the pin is then taken as made now)."""
+    if isinstance(stored, (int, float)) and not isinstance(stored, bool) and math.isfinite(stored):
+        return clock - (now - stored)
+    return None
 
 
 def forget_stored_pin(service, pin_id: str) -> None:
