@@ -60,15 +60,18 @@ def prompt_body(text: str | None, tokens: str | None, file: Path | None, message
 
 
 def chat_messages_file(path: Path) -> dict:
-    """`{"messages": [...]}` from a JSON file: a list of {role, content}, or a chat request's body (an
-    object with `messages`, whose `chat_template_kwargs` and `tools` come too). kvd checks them and
-    renders them with the model's chat template."""
+    """`{"messages": [...]}` from a JSON file: a list of {role, content}, a chat request's body (an
+    object with `messages`, whose `chat_template_kwargs` and `tools` come too), or a Responses
+    request's body (`input`, with its `instructions` and `tools`: the chat kvd serves it as). kvd
+    checks them and renders them with the model's chat template."""
     raw = read_text(path, "messages", "give a JSON list of {\"role\", \"content\"} messages")
     try:
         loaded = json.loads(raw)
     except ValueError as exc:
         raise UserError(f"messages: {str(path)!r} is not JSON ({exc})") from None
     extra = {}
+    if isinstance(loaded, dict) and "input" in loaded and "messages" not in loaded:
+        return responses_chat(loaded, path)
     if isinstance(loaded, dict) and "messages" in loaded:
         extra = {key: loaded[key] for key in ("chat_template_kwargs", "tools") if loaded.get(key) is not None}
         loaded = loaded["messages"]
@@ -76,6 +79,25 @@ def chat_messages_file(path: Path) -> dict:
         raise UserError(f"messages: {str(path)!r} holds a {type(loaded).__name__}; give a list of "
                         "{\"role\", \"content\"} messages, or a chat request with \"messages\"")
     return {"messages": loaded, **extra}
+
+
+def responses_chat(body: dict, path: Path) -> dict:
+    """A Responses request's body (its own `input`) as the chat kvd serves it as: its instructions
+    first, its items as messages, its tools (responses_input.chat_fields, kvd's own reading)."""
+    from kvctl.daemon.server.chat_messages import MessagesError
+    from kvctl.daemon.server.responses_input import chat_fields
+
+    for field in ("previous_response_id", "conversation"):
+        if body.get(field) is not None:
+            raise UserError(f"messages: {str(path)!r} continues a conversation kvd keeps ({field}); kvctl reads "
+                            "the request's own input only: give the whole conversation in `input`")
+    try:
+        fields = chat_fields(body)
+    except MessagesError as exc:
+        raise UserError(f"messages: {str(path)!r}: {exc}") from None
+    if body.get("chat_template_kwargs") is not None:
+        fields["chat_template_kwargs"] = body["chat_template_kwargs"]
+    return fields
 
 
 def redraw(fetch, render, console: Console | None = None, interval: float = 1.0, sleep=time.sleep) -> None:

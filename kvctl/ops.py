@@ -365,7 +365,8 @@ def evict(ctx: typer.Context,
           file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt's text from a file."),
           messages: Optional[Path] = typer.Option(
               None, "--messages", help="A JSON file of chat messages (or a chat request's body, with its "
-                                       "chat_template_kwargs and tools), rendered as /v1/chat/completions renders them."),
+                                       "chat_template_kwargs and tools, or a /v1/responses request's), rendered as "
+                                       "/v1/chat/completions renders them."),
           tenant: Optional[str] = typer.Option(None, "--tenant", help="Every prefix of a tenant; with a prompt, the "
                                                                       "tenant whose namespace it was served in."),
           model_revision: Optional[str] = typer.Option(None, "--model-revision",
@@ -500,7 +501,8 @@ def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help=
             file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
             messages: Optional[Path] = typer.Option(
                 None, "--messages", help="A JSON file of chat messages (or a chat request's body, with its "
-                                         "chat_template_kwargs and tools), rendered as /v1/chat/completions renders them."),
+                                         "chat_template_kwargs and tools, or a /v1/responses request's), rendered "
+                                         "as /v1/chat/completions renders them."),
             tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
             model: Optional[str] = typer.Option(None, help="A LoRA adapter's name (lora_modules): look in its own "
                                                            "blocks. Default: the model's."),

@@ -55,7 +55,8 @@ def route(ctx: typer.Context,
           file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
           messages: Optional[Path] = typer.Option(
               None, "--messages", help="A JSON file of chat messages (or a chat request's body, with its "
-                                       "chat_template_kwargs and tools): routed as /v1/chat/completions is."),
+                                       "chat_template_kwargs and tools, or a /v1/responses request's): routed as "
+                                       "/v1/chat/completions is."),
           replica: list[str] = typer.Option([], "--replica", help="A replica: its Unix socket, or an "
                                             "http(s):// URL (with --token-file). Repeat for each."),
           router: Optional[str] = typer.Option(None, "--router", help="Ask a running kvd router instead (its "

@@ -395,6 +395,52 @@ def test_explain_says_how_a_chat_s_replies_go_in_and_counts_the_hit_the_chat_the
     assert "replies" not in call(unix, "POST", "/admin/explain", json={"text": "a prompt of text"}).json()
 
 
+def test_kvctl_reads_a_responses_request_as_the_chat_kvd_serves_it(daemon, tmp_path):
+    """`kvctl explain|pin|evict|route --messages` take a /v1/responses request's body too (a stateless
+    agent's turn, as logged): its instructions, input items and tools, read as kvd serves it. Its
+    explanation is the turn's own usage; one that continues a kept response is refused."""
+    import json
+
+    from kvctl.command_kit import prompt_body
+    from kvctl.errors import UserError
+
+    from .daemon_fixtures import call
+
+    service, unix, _ = daemon
+    opening = {"instructions": "Answer about tiers.", "input": [{"role": "user", "content": "Which tier is first?"}]}
+    first = call(unix, "POST", "/v1/responses", json={**opening, "max_output_tokens": 40, "temperature": 1.0,
+                                                      "seed": 1, "store": False}).json()
+    [message] = first["output"]
+    assert service.reply_ids.ids_for("default", service.loaded.tokenizer.digest,
+                                     message["content"][0]["text"]) is not None  # (a reply kvd keeps)
+    body = {**opening, "input": opening["input"] + [message, {"role": "user", "content": "And then?"}], "store": False}
+    path = tmp_path / "turn.json"
+    path.write_text(json.dumps(body))
+    asked = prompt_body(None, None, None, path)
+    assert asked["messages"][0] == {"role": "system", "content": "Answer about tiers."}
+    explained = call(unix, "POST", "/admin/explain", json=asked).json()
+    usage = call(unix, "POST", "/v1/responses", json={**body, "max_output_tokens": 1}).json()["usage"]
+    assert (explained["prompt_tokens"], explained["hit_tokens"]) == (
+        usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"])
+    assert explained["replies"]["as_ids"] == 1 and explained["hit_tokens"] > 0
+    for continued, field in (({"previous_response_id": first["id"]}, "previous_response_id"),
+                             ({"conversation": "conv_1"}, "conversation")):
+        path.write_text(json.dumps({**body, **continued}))
+        with pytest.raises(UserError) as refused:
+            prompt_body(None, None, None, path)
+        assert str(refused.value) == (f"messages: {str(path)!r} continues a conversation kvd keeps ({field}); kvctl "
+                                      "reads the request's own input only: give the whole conversation in `input`")
+    path.write_text(json.dumps({**body, "tools": [{"type": "function", "name": "lookup", "parameters": {}}],
+                                "chat_template_kwargs": {"thinking": False}}))  # its tools, as a chat's
+    assert prompt_body(None, None, None, path) == {**asked, "chat_template_kwargs": {"thinking": False}, "tools": [
+        {"type": "function", "function": {"name": "lookup", "parameters": {}}}]}
+    path.write_text(json.dumps({"input": [{"role": "robot", "content": "x"}]}))
+    with pytest.raises(UserError) as refused:
+        prompt_body(None, None, None, path)
+    assert str(refused.value) == (f"messages: {str(path)!r}: input[0].role: must be one of user, system, developer, "
+                                  "assistant, got 'robot'")
+
+
 def test_kvctl_explain_says_how_a_chat_s_replies_went_in():
     from .kvctl_fakes import kvctl_answered
 

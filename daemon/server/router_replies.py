@@ -135,6 +135,8 @@ class ResponseReplyWatch:
 
     def events(self, raw: bytes) -> None:
         """Whole server-sent events of a streamed answer, as relayed."""
+        if b"response.completed" not in raw and b"response.incomplete" not in raw:
+            return  # (a delta: read no further)
         for line in raw.split(b"\n"):
             if not line.startswith(b"data: {"):
                 continue
