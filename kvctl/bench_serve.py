@@ -64,12 +64,22 @@ def build_workload(spec: str, *, requests: int | None, max_tokens: int, time_sca
     raise UserError(f"workload: unknown value {spec!r}; use shared-prefix, multi-turn or trace:FILE")
 
 
-def request_body(request: BenchRequest, index: int, api: str, previous: str | None) -> tuple[str, dict]:
+def request_body(request: BenchRequest, index: int, api: str, previous: str | None,
+                 stateless: bool = False) -> tuple[str, dict]:
     """The path and body of one request: token ids to /v1/completions, messages to
     /v1/chat/completions, or under `api` "responses" the last message as `input` (the system
     message as `instructions`), continuing the response `previous` (the id of the turn before);
-    under "conversations", the same continuing the conversation `previous` (its id)."""
+    under "conversations", the same continuing the conversation `previous` (its id). `stateless`
+    (responses): the whole conversation as `input`, kept by no one (`store: false`), as a client
+    that keeps its own sends it."""
     common = {"ignore_eos": True, "seed": index, "temperature": 0.0, "stream": True}
+    if api == "responses" and stateless:
+        messages = request.messages
+        body = {"input": messages[1:] if messages[0]["role"] == "system" else messages,
+                "max_output_tokens": request.max_tokens, "store": False, **common}
+        if messages[0]["role"] == "system":
+            body["instructions"] = messages[0]["content"]
+        return API_PATHS[api], body
     if api in KEPT_APIS:
         messages = request.messages
         body = {"input": messages[-1]["content"], "max_output_tokens": request.max_tokens, **common}
@@ -113,7 +123,10 @@ def read_chunk(chunk: dict, record: RequestRecord, now: float) -> str | None:
 
 
 def reply_part(chunk: dict) -> tuple[str, list[int]]:
-    """The reply's text and token ids one streamed completion or chat chunk carries."""
+    """The reply's text and token ids one streamed completion or chat chunk carries (a response's
+    text delta: its text; a response names no ids)."""
+    if chunk.get("type") == "response.output_text.delta":
+        return chunk.get("delta") or "", []
     text, ids = "", []
     for choice in chunk.get("choices", []):
         text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
@@ -140,7 +153,8 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
     turn continuing the last; "conversations": each conversation made first, every turn naming
     it (None: completions or chats, as each request is). `replies` "model": a later turn sends the
     model's own replies back (`with_model_replies`), as a chat client does, instead of the
-    workload's made-up ones."""
+    workload's made-up ones (responses: the whole conversation each turn, `store: false`, as a
+    client that keeps its own does)."""
     import asyncio
 
     import aiohttp
@@ -153,6 +167,7 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
     conversations: list[str | None] = [None] * len(workload)  # (conversations: the one each turn names)
     sent: list[BenchRequest | None] = [None] * len(workload)  # (replies "model": each turn as it was sent)
     answered: list[tuple[str, list[int]] | None] = [None] * len(workload)  # (and the reply it got, whole)
+    stateless = api == "responses" and replies == "model"  # (the client keeps the conversation, not kvd)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     arrivals = [r.arrival for r in workload]
     if rate:
@@ -176,12 +191,13 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
             request = with_model_replies(request, sent[request.after], answered[request.after])
         sent[i] = request
         record = RequestRecord(i, clock(), prompt_tokens=len(request.prompt))
-        previous = conversations[i] if api == "conversations" else \
+        previous = None if stateless else conversations[i] if api == "conversations" else \
             response_ids[request.after] if request.after is not None else None
-        path, body = request_body(request, i, api or "", previous)
+        path, body = request_body(request, i, api or "", previous, stateless)
         text, ids = "", []
         try:
-            if api in KEPT_APIS and (request.after is not None or api == "conversations") and previous is None:
+            if api in KEPT_APIS and not stateless and (request.after is not None or api == "conversations") \
+                    and previous is None:
                 record.status = "aborted"  # the turn it continues failed: there is no conversation to continue
             elif follows and answered[request.after] is None:
                 record.status = "aborted"  # the turn before failed: there is no reply to send back
@@ -304,7 +320,8 @@ def serve_command(
                                                 "messages of text, through /v1/chat/completions), responses "
                                                 "(the chats through /v1/responses; a multi-turn turn continues "
                                                 "the last by previous_response_id, kvd holding the conversation "
-                                                "and its replies; the baseline renders the workload's chats) or "
+                                                "and its replies, or with --replies model sends it whole, "
+                                                "store: false; the baseline renders the workload's chats) or "
                                                 "conversations (the same, each conversation made first with "
                                                 "POST /v1/conversations and named by every turn)."),
     requests: Optional[int] = typer.Option(None, help="Requests (trace: the first N)."),
@@ -327,7 +344,9 @@ def serve_command(
     replies: str = typer.Option("synthetic", help="multi-turn: the replies a later turn sends back: synthetic "
                                 "(the workload's made-up ones, the same every run) or model (kvd's own, as a chat "
                                 "client sends them: a chat its text, completions its token ids; with --baseline "
-                                "none). responses and conversations always continue by kvd's own."),
+                                "none). Under --api responses each turn then sends the whole conversation (store: "
+                                "false), as an agent that keeps its own does; conversations always continue by "
+                                "kvd's own."),
     baseline: str = typer.Option("transformers", help="transformers or none."),
     save: bool = typer.Option(False, "--save", help="Store the run in the SQLite store."),
     compare: Optional[int] = typer.Option(None, "--compare", help="Print the difference to a stored run."),
@@ -365,7 +384,7 @@ def serve_command(
     if replies == "model" and workload != "multi-turn":
         raise UserError(f"replies: model sends a turn's reply back in the next, and {workload} has no turns; "
                         "use --workload multi-turn")
-    if replies == "model" and api in KEPT_APIS:
+    if replies == "model" and api == "conversations":
         raise UserError(f"replies: under --api {api} kvd keeps the conversation, and each turn continues by its "
                         "own replies already; leave --replies out")
     if replies == "model" and baseline != "none":

@@ -789,12 +789,48 @@ def test_a_multi_turn_bench_can_send_the_model_s_own_replies_back(tmp_path, chat
         service.shutdown(1)
 
 
+def test_a_stateless_responses_bench_sends_each_conversation_whole_and_hits_its_replies(tmp_path):
+    """`--api responses --replies model`: each turn sends the whole conversation as `input`, kept by no
+    one (`store: false`), as an agent that keeps its own does; the replies go back in as the ids the
+    model made, so each turn finds the one before and its reply cached, as a chat's next turn does."""
+    pytest.importorskip("torch")
+    from dataclasses import replace
+
+    from kvctl.bench_serve import request_body
+
+    from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=256)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        work = multi_turn(conversations=2, turns=3, user_tokens=24, max_tokens=8, chat=True)
+        path, body = request_body(work[1], 1, "responses", None, stateless=True)
+        assert (path, body["store"], body["input"]) == ("v1/responses", False, work[1].messages)
+        assert "previous_response_id" not in body and "instructions" not in body
+        system = [{"role": "system", "content": "Be brief."}]
+        _, body = request_body(replace(work[1], messages=system + work[1].messages), 1, "responses", None, True)
+        assert (body["instructions"], body["input"]) == ("Be brief.", work[1].messages)
+        records = asyncio.run(drive_over_socket(unix, tmp_path, work, concurrency=2, api="responses",
+                                                replies="model"))
+        assert [r.status for r in records] == ["ok"] * 6
+        block = service.config.block_size
+        for c in range(2):
+            turns = records[3 * c:3 * c + 3]
+            for before, after in zip(turns, turns[1:]):  # the turn before and its reply (less its last token)
+                assert after.cached_tokens == (before.prompt_tokens + 8 - 1) // block * block
+        assert service.reply_ids.figures()["spliced"] == 6  # turn 2 sends one reply back, turn 3 two: twice
+        assert service.responses.figures()["responses"] == 0  # none kept
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--replies", "mine"], "replies: unknown value 'mine'; use synthetic or model"),
     (["--replies", "model", "--baseline", "none"], "replies: model sends a turn's reply back in the next, and "
                                                    "shared-prefix has no turns; use --workload multi-turn"),
-    (["--replies", "model", "--workload", "multi-turn", "--api", "responses", "--baseline", "none"],
-     "replies: under --api responses kvd keeps the conversation, and each turn continues by its own replies "
+    (["--replies", "model", "--workload", "multi-turn", "--api", "conversations", "--baseline", "none"],
+     "replies: under --api conversations kvd keeps the conversation, and each turn continues by its own replies "
      "already; leave --replies out"),
     (["--replies", "model", "--workload", "multi-turn"], "replies: model sends kvd's own replies back, which the "
                                                           "baseline would not have made; use --baseline none"),
