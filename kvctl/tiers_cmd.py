@@ -55,7 +55,10 @@ def tiers_view(d: dict) -> Group:
         if t.get("degraded_reason"):
             columns[name]["why"] = t["degraded_reason"]
     # one column per tier, one row per figure: four tiers fit an 80-column terminal
-    table = compact_table("", *columns, title=f"write policy: {d.get('write_policy') or '-'}")
+    retained = d.get("retained_blocks")  # (requests asking prompt_cache_retention "24h": written down as they end)
+    title = f"write policy: {d.get('write_policy') or '-'}" + (
+        f"; {retained:,} blocks written down for 24h retention" if retained else "")
+    table = compact_table("", *columns, title=title)
     for column in table.columns[1:]:
         column.justify = "right"
     figures = ["used", "set aside", "capacity", "blocks", "hit tokens", "bytes in", "bytes out", "read/s", "write/s",

@@ -456,3 +456,13 @@ def test_chat_prompt_logprobs_rank_every_rendered_prompt_token_once_per_answer(d
         [{t: r["rank"] for t, r in e.items()} for e in ranked[1:]]
     assert [r["logprob"] for e in again[1:] for r in e.values()] == \
         pytest.approx([r["logprob"] for e in ranked[1:] for r in e.values()], abs=1e-4)
+
+
+def test_24h_retention_without_a_persistent_tier_is_served_as_any_other(daemon):
+    """`prompt_cache_retention: "24h"` where kvd has no disk or Redis tier: kept in memory, as every
+    request is (OpenAI's retention is a best effort too); "in-memory", the other spelling, is taken."""
+    service, unix, _ = daemon
+    assert service.tiers is None
+    for retention in ("24h", "in-memory", "in_memory", None):
+        answer = chat(unix, conversation(f"Kept how long, {retention}?"), prompt_cache_retention=retention)
+        assert answer.status_code == 200, answer.text

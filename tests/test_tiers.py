@@ -1786,3 +1786,53 @@ def test_a_prefix_an_operator_evicts_while_a_restore_of_it_is_planned_is_recompu
     assert (warm.metrics.cached_tokens, warm.metrics.restored_tokens) == (restored, restored)
     assert tiered.report()["tiers"]["host"]["restored_blocks"] == restored // 16
     assert engine.cache.pool.available() == free_before  # A's blocks are cached again, as after a cold run
+
+
+def test_a_request_asking_24h_retention_is_written_to_disk_as_it_finishes(tmp_path):
+    """OpenAI's `prompt_cache_retention: "24h"`: under write_back (nothing goes down until evicted)
+    such a request's blocks, its prompt's and its reply's, are written to the disk tier as it
+    finishes, so the conversation outlives the device cache; "in_memory" (the default) leaves them
+    to the write policy. A bad value is a 400 naming the field."""
+    from kvctl.daemon.server.app import create_app
+
+    # (tiering "always": the next turn restores from disk whatever the rates measured say)
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        disk = service.tiers.disk
+
+        def chat(topic: str, **extra):
+            answer = call(app, "POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": f"Tell me about {topic}, at length. " * 6}],
+                "max_tokens": 20, "ignore_eos": True, "temperature": 0, **extra})
+            assert answer.status_code == 200, answer.text
+            assert service.tiers.flush(10)
+            return answer.json()
+
+        chat("the host tier", prompt_cache_retention="in_memory")
+        chat("the device tier")
+        assert len(disk.index) == 0 and call(app, "GET", "/admin/tiers").json()["retained_blocks"] == 0
+        kept = chat("the disk tier", prompt_cache_retention="24h")
+        written = (kept["usage"]["prompt_tokens"] + 20 - 1) // 16  # every whole block: prompt and reply
+        assert len(disk.index) == written and call(app, "GET", "/admin/tiers").json()["retained_blocks"] == written
+        assert f"kvd_tier_retained_blocks_total {float(written)}" in call(app, "GET", "/metrics").text
+        # the device lets it go; the next turn finds its prompt and its reply on disk
+        with service.engine_lock():
+            service.engine.cache.release_all()
+        assert service.tiers.flush(10)
+        again = call(app, "POST", "/v1/chat/completions", json={"messages": [
+            {"role": "user", "content": "Tell me about the disk tier, at length. " * 6},
+            {"role": "assistant", "content": kept["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And then?"}], "max_tokens": 1}).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == written * 16
+        # through /v1/responses too, echoed back in the response
+        answer = call(app, "POST", "/v1/responses", json={"input": "Tell me about Redis, at length. " * 6,
+                                                          "max_output_tokens": 4, "prompt_cache_retention": "24h"})
+        assert answer.json()["prompt_cache_retention"] == "24h" and service.tiers.flush(10)
+        assert len(disk.index) > written
+        refused = call(app, "POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "prompt_cache_retention": "forever"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_cache_retention"
+        assert refused.json()["error"]["message"] == "prompt_cache_retention: must be in_memory or 24h, got 'forever'"
+    finally:
+        service.shutdown(deadline=2)

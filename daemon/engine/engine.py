@@ -872,6 +872,14 @@ class Engine:
                 self.tiers.write_through([pool.blocks[b] for b in pending])
                 pending.clear()
 
+    def _retain(self, seq: Sequence) -> None:
+        """A request that asked for `prompt_cache_retention: "24h"`: every indexed block the sequence
+        holds as it finishes (its prompt's and its reply's: a conversation's next turn begins with
+        both) goes to the persistent tiers, whatever the write policy (TieredCache.retain)."""
+        pool = self.cache.pool
+        blocks = [pool.blocks[b] for b in self.cache.block_table(seq.seq_id) if b >= 0]
+        self.tiers.retain([b for b in blocks if b.key is not None])
+
     PREFETCH_POLL = 0.05  # seconds an idle engine waits at most for a held request's fetch before it looks again
 
     def _admit(self) -> None:
@@ -1436,6 +1444,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         ran = reason != "cancelled" and seq.request.rejected is None  # neither says how long replies run
+        if self.tiers is not None and seq.request.params.extra.get("retain") and seq.seq_id in self.cache:
+            self._retain(seq)
         if ran:
             held, unused = self.cache.holding(seq.seq_id)
             self.stats.finished_blocks += held

@@ -122,6 +122,8 @@ UNSUPPORTED_HINTS = {
 # Prompts of up to this many tokens in all are hashed on the event loop when they are handed in
 # (about 0.3 ms per 1,000 tokens on a CPU core); longer ones in a worker thread, so a long prompt
 # does not hold up the streams the loop serves. A worker-thread hop costs 1-2 ms on a busy host.
+# OpenAI's prompt_cache_retention: "24h" writes a request's blocks to the persistent tiers (Engine._retain)
+RETENTIONS = (None, "in_memory", "in-memory", "24h")
 HAND_IN_ON_LOOP_TOKENS = 4096
 DISCONNECT_CHECK_S = 0.5  # how often a non-streamed request looks for its client having left
 METRICS_THREADS = 2  # worker threads of /metrics' own, apart from the 40 every sync handler shares
@@ -396,6 +398,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if body.top_k < -1:  # -1 is vLLM's "no cut", as 0 is
             raise ApiError(400, f"top_k: must be -1 or 0 (no cut) or a whole number >= 1, got {body.top_k}",
                            param="top_k")
+        retention = body.prompt_cache_retention
+        if retention not in RETENTIONS:
+            raise ApiError(400, f"prompt_cache_retention: must be in_memory or 24h, got {retention!r}",
+                           param="prompt_cache_retention")
         chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": max(body.top_k, 0),
                   "min_p": controls.pop("min_p"), "repetition_penalty": controls.pop("repetition_penalty")}
         for name, default in service.sampling_defaults.items():  # the checkpoint's, for a field left out
@@ -404,7 +410,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return SamplingParams(max_tokens=max_tokens, seed=body.seed, n=body.n, stop=stop, **chosen,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
-                              extra={"api": api}, **controls)
+                              extra={"api": api, **({"retain": True} if retention == "24h" else {})}, **controls)
 
     async def generate(engine, prompts: list[list[int]], params: SamplingParams, body, http: Request,
                        who: Principal, shape: CompletionShape, echo_texts: list[str] | None = None,

@@ -88,6 +88,9 @@ class GenerationFields(BaseModel):
     min_tokens: Count | None = None
     logit_bias: dict[str, Number] | None = None  # token id (a JSON key, so a string) -> bias
     priority: Count | None = None  # vLLM's: with queue_order priority, lower runs first (EngineService.queue_priority)
+    # OpenAI's: "24h" writes the request's blocks to the persistent tiers as it finishes (Engine._retain);
+    # "in_memory" (or "in-memory"), as by default, keeps them as the write policy does
+    prompt_cache_retention: str | None = None
     # vLLM's: logprobs name tokens "token_id:N", so tokens of one text (parts of a character) stay apart
     return_tokens_as_token_ids: bool | None = False
     # vLLM's: the answer names the prompt's ids too (`prompt_token_ids`: on each choice of a

@@ -83,6 +83,7 @@
     kvd_tier_checksum_failures_total{tier}    payloads that failed verification (misses, deleted)
     kvd_tier_errors_total{tier}               I/O errors and timeouts
     kvd_tier_degraded{tier}                   1 while a tier is degraded or its breaker is open
+    kvd_tier_retained_blocks_total            blocks written down for requests asking prompt_cache_retention 24h
     kvd_tier_restore_seconds                  histogram: time to put a prefix back on the device
     kvd_prefetch_requests_total{outcome}      requests whose prefix came from disk or Redis while they waited,
                                               by how the wait ended: complete, timeout, best_effort, cancelled
@@ -608,7 +609,9 @@ def _tier_metrics(report: dict):
     for pair, value in report["moved_bytes"].items():
         src, dst = pair.split("->")
         moved.add_metric([src, dst], value)
-    yield from (used, capacity, block, failures, errors, degraded, moved)
+    retained = CounterMetricFamily("kvd_tier_retained_blocks", "Blocks written to the persistent tiers for "
+                                   "requests asking prompt_cache_retention 24h", value=report.get("retained_blocks", 0))
+    yield from (used, capacity, block, failures, errors, degraded, moved, retained)
 
 
 class Metrics:

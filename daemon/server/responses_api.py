@@ -42,7 +42,8 @@ RESPONSE_HINTS = {
 # chat fields a Responses request passes on as they are (the rest are built from its own fields)
 PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "user", "ignore_eos",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
-             "priority", "return_tokens_as_token_ids", "kv_transfer_params", "parallel_tool_calls")
+             "priority", "return_tokens_as_token_ids", "kv_transfer_params", "parallel_tool_calls",
+             "prompt_cache_retention")
 CARRY_REASONING = "reasoning.encrypted_content"  # reasoning items carry their text (reasoning_blob.py)
 INCLUDED = (CARRY_REASONING, OUTPUT_LOGPROBS)  # the `include` values kvd serves
 EFFORTS = ("minimal", "low", "medium", "high")
@@ -371,6 +372,7 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, create
             "tools": body.tools or [], "top_logprobs": body.top_logprobs or 0, "top_p": drawn["top_p"],
             "truncation": body.truncation or "disabled", "usage": usage,
             "user": body.user, "metadata": body.metadata or {}, "prompt_cache_key": body.prompt_cache_key,
+            "prompt_cache_retention": body.prompt_cache_retention,
             "safety_identifier": body.safety_identifier, "service_tier": body.service_tier or "auto"}
 
 

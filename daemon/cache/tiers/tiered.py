@@ -129,6 +129,7 @@ class TieredCache:
         self.stats["remote"].read = RateMeter(rate=5e8, latency=1e-3)
         self.stats["remote"].write = RateMeter(rate=5e8, latency=1e-3)
         self.moved: Counter[tuple[str, str]] = Counter()  # (src, dst) -> bytes
+        self.retained_blocks = 0  # written down for requests asking prompt_cache_retention "24h" (`retain`)
         self.inflight: dict[bytes, tuple[BlockMeta, list]] = {}  # moving: (meta, K/V per layer) being written down
         self.staged: dict[bytes, tuple[list, str]] = {}  # verified blocks fetched for waiting requests
         self.prefetches: dict[str, Prefetch] = {}
@@ -260,13 +261,28 @@ class TieredCache:
     def write_through(self, blocks: list) -> None:
         """Newly filled device blocks (write_through), or newly reused ones (write_through_selective),
         after the step that wrote or reused them, go to the persistent tiers."""
+        if self.write_policy != "write_back":
+            self._persist(blocks)
+
+    def retain(self, blocks: list) -> int:
+        """The blocks of a request that asked to be kept long (OpenAI's `prompt_cache_retention: "24h"`),
+        as it finishes: they go to the persistent tiers (disk, remote) now, whatever the write policy,
+        so that they outlive their eviction from the device. How many went (0 without a persistent
+        tier: the request is kept as any other, in memory)."""
+        written = self._persist(blocks)
+        self.retained_blocks += written
+        return written
+
+    def _persist(self, blocks: list) -> int:
+        """Write the device blocks the persistent tiers lack to them; how many were written."""
         targets = [t.name for t in (self.disk, self.remote) if t is not None]
-        if self.write_policy == "write_back" or not targets or not blocks:
-            return
+        if not targets or not blocks:
+            return 0
         blocks = [b for b in blocks if b.key is not None and not self._held_below(b.key)]
         if blocks:
             self._write_down([BlockMeta.of(b) for b in blocks],
                              self.gather([b.block_id for b in blocks]), src="device", targets=targets)
+        return len(blocks)
 
     def _first_lower(self) -> str | None:
         for tier in self.tiers():
@@ -902,7 +918,8 @@ class TieredCache:
                         "block_bytes": self.layout.payload_bytes,
                         "stored_block_bytes": self.layout.stored_bytes(self.codec(tier.name))}
             for tier in (self.disk, self.remote) if tier is not None}
-        return {"write_policy": self.write_policy, "tiers": out, "moved_bytes": out_moved,
+        return {"write_policy": self.write_policy, "retained_blocks": self.retained_blocks,
+                "tiers": out, "moved_bytes": out_moved,
                 "moving_blocks": len(self.inflight), "staged_blocks": len(self.staged), "compress": compression}
 
     def close(self, timeout: float = 10.0) -> None:
