@@ -168,6 +168,9 @@ def serve(
     report_cached_tokens: Optional[str] = typer.Option(
         None, help="Who sees usage's cached_tokens: all, admin (callers with the admin role) or none. A count of "
                    "cached tokens lets a caller probe the cache for a guessed prompt."),
+    prompt_cache_retention: Optional[str] = typer.Option(
+        None, help="honour (a request's prompt_cache_retention 24h writes its blocks to disk and Redis as it ends) "
+                   "or ignore (it is served as in_memory)."),
     cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3 (or fp8, as vLLM names it), fp8_e5m2 "
                                               "or int8."),
     keep_layers_unquantised: Optional[str] = typer.Option(None, help="Layers kept in the model dtype, e.g. 0,31."),
@@ -279,7 +282,8 @@ def serve(
                    reservation=reservation,
                    eviction=eviction, tenant_cache_shares=tenant_cache_shares, queue_order=queue_order,
                    tenant_priorities=tenant_priorities,
-                   trusted_proxy=trusted_proxy, report_cached_tokens=report_cached_tokens, cache_dtype=cache_dtype,
+                   trusted_proxy=trusted_proxy, report_cached_tokens=report_cached_tokens,
+                   prompt_cache_retention=prompt_cache_retention, cache_dtype=cache_dtype,
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                    disk_cache_path=disk_cache_path, remote_url=remote_url, write_policy=write_policy,
@@ -331,7 +335,8 @@ SERVE_HELP_PANELS = {
                               "report_cached_tokens"),
     "Quantised cache formats": ("cache_dtype", "keep_layers_unquantised", "allow_uncalibrated"),
     "Tiers: host, disk, Redis": ("host_cache_bytes", "disk_cache_bytes", "disk_cache_path", "remote_url",
-                                 "remote_cache_bytes", "remote_timeout", "write_policy", "tiering", "tier_compress",
+                                 "remote_cache_bytes", "remote_timeout", "write_policy", "prompt_cache_retention",
+                                 "tiering", "tier_compress",
                                  "disk_compress", "remote_compress", "prefetch_policy", "prefetch_timeout",
                                  "prefetch_timeout_per_1k_tokens"),
     "Metrics and trace": ("metrics_aliases", "max_tenant_metric_series", "max_tracked_tenants", "trace_requests",

@@ -156,6 +156,8 @@ def on_or_off(text: Any) -> bool:
 
 
 CACHED_TOKEN_REPORTS = ("all", "admin", "none")  # report_cached_tokens: who sees usage's cached_tokens
+# prompt_cache_retention: whether a request's "24h" writes its blocks to the persistent tiers as it ends
+RETENTION_SETTINGS = ("honour", "ignore")
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,7 @@ class KvdConfig:
     # count of cached tokens tells a caller whether a guessed prompt is in the cache, block by block
     # (prompt-cache probing, CVE-2025-46570): `admin` where one tenant's callers do not trust each other
     report_cached_tokens: str = "all"
+    prompt_cache_retention: str = "honour"  # or ignore: a request's "24h" is served as "in_memory"
     # kvd's log while it serves (server/request_log.py), both live on a reload: a logfmt line per finished
     # request (ids, tenant, counts, times; never text or token ids), and the engine's summary every N s (0: none)
     log_requests: bool = False
@@ -445,6 +448,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"must be one of {', '.join(EVICTION_POLICIES)}")
     if name == "queue_order" and value not in QUEUE_ORDERS:
         raise ValueError(f"must be {', '.join(QUEUE_ORDERS[:-1])} or {QUEUE_ORDERS[-1]}")
+    if name == "prompt_cache_retention" and value not in RETENTION_SETTINGS:
+        raise ValueError(f"must be {' or '.join(RETENTION_SETTINGS)}")
     if name == "report_cached_tokens" and value not in CACHED_TOKEN_REPORTS:
         raise ValueError(f"must be {', '.join(CACHED_TOKEN_REPORTS[:-1])} or {CACHED_TOKEN_REPORTS[-1]}")
     if name == "reservation":

@@ -26,6 +26,8 @@ def test_precedence_flag_env_file_default(tmp_path):
     ({}, {"KVD_EVICTION": "fifo"}, "eviction: invalid value 'fifo' from KVD_EVICTION: must be one of lru, cost, lfu"),
     ({"queue_order": "sjf"}, {},
      "queue_order: invalid value 'sjf' from --queue-order: must be fifo, priority, lpm or priority+lpm"),
+    ({}, {"KVD_PROMPT_CACHE_RETENTION": "24h"},
+     "prompt_cache_retention: invalid value '24h' from KVD_PROMPT_CACHE_RETENTION: must be honour or ignore"),
     ({}, {"KVD_CACHE_MEMORY": "lots"}, "cache_memory: invalid value 'lots' from KVD_CACHE_MEMORY: must be a size in "
                                        "bytes: a number with an optional unit (4096, 512MiB, 2GiB, 500MB)"),
     ({}, {"KVD_HOST_CACHE_BYTES": "1e999"}, "host_cache_bytes: invalid value '1e999' from KVD_HOST_CACHE_BYTES: must be "

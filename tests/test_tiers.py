@@ -1793,6 +1793,8 @@ def test_a_request_asking_24h_retention_is_written_to_disk_as_it_finishes(tmp_pa
     such a request's blocks, its prompt's and its reply's, are written to the disk tier as it
     finishes, so the conversation outlives the device cache; "in_memory" (the default) leaves them
     to the write policy. A bad value is a 400 naming the field."""
+    from dataclasses import replace
+
     from kvctl.daemon.server.app import create_app
 
     # (tiering "always": the next turn restores from disk whatever the rates measured say)
@@ -1834,5 +1836,10 @@ def test_a_request_asking_24h_retention_is_written_to_disk_as_it_finishes(tmp_pa
             "messages": [{"role": "user", "content": "hi"}], "prompt_cache_retention": "forever"})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_cache_retention"
         assert refused.json()["error"]["message"] == "prompt_cache_retention: must be in_memory or 24h, got 'forever'"
+        # the operator's `prompt_cache_retention: ignore` (live on a reload): "24h" is served as "in_memory"
+        service.config = replace(service.config, prompt_cache_retention="ignore")
+        held = len(disk.index)
+        chat("the remote tier", prompt_cache_retention="24h")
+        assert len(disk.index) == held and call(app, "GET", "/admin/tiers").json()["retained_blocks"] > written
     finally:
         service.shutdown(deadline=2)

@@ -402,6 +402,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if retention not in RETENTIONS:
             raise ApiError(400, f"prompt_cache_retention: must be in_memory or 24h, got {retention!r}",
                            param="prompt_cache_retention")
+        retains = service.config.prompt_cache_retention == "honour"  # (ignore: "24h" is served as "in_memory")
         chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": max(body.top_k, 0),
                   "min_p": controls.pop("min_p"), "repetition_penalty": controls.pop("repetition_penalty")}
         for name, default in service.sampling_defaults.items():  # the checkpoint's, for a field left out
@@ -410,7 +411,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return SamplingParams(max_tokens=max_tokens, seed=body.seed, n=body.n, stop=stop, **chosen,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
-                              extra={"api": api, **({"retain": True} if retention == "24h" else {})}, **controls)
+                              extra={"api": api, **({"retain": True} if retention == "24h" and retains else {})},
+                              **controls)
 
     async def generate(engine, prompts: list[list[int]], params: SamplingParams, body, http: Request,
                        who: Principal, shape: CompletionShape, echo_texts: list[str] | None = None,
