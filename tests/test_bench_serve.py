@@ -761,12 +761,14 @@ def test_a_multi_turn_bench_through_kvd_s_kept_conversations_continues_each_turn
         service.shutdown(1)
 
 
-@pytest.mark.parametrize("chat", [False, True])
-def test_a_multi_turn_bench_can_send_the_model_s_own_replies_back(tmp_path, chat):
+@pytest.mark.parametrize("chat, api", [(False, None), (True, None), (True, "responses")])
+def test_a_multi_turn_bench_can_send_the_model_s_own_replies_back(tmp_path, chat, api):
     """`--replies model`: each later turn is the turn before as it was sent, the reply it got (a chat
     its text, completions its token ids) and its own new message, so it finds the turn before and
     its reply cached, as a client's next turn does. A chat's replies go back in as the ids the model
-    made (reply_ids.py): six of them in the later turns of two conversations of three."""
+    made (reply_ids.py): six of them in the later turns of two conversations of three (turn 2 sends
+    one back, turn 3 two). Through /v1/responses, each turn whole with `store: false`: the same, and
+    kvd keeps no response."""
     pytest.importorskip("torch")
     from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
 
@@ -774,7 +776,7 @@ def test_a_multi_turn_bench_can_send_the_model_s_own_replies_back(tmp_path, chat
     try:
         unix, _ = apps(service, token_table(tmp_path))
         work = multi_turn(conversations=2, turns=3, user_tokens=24, max_tokens=8, chat=chat)
-        records = asyncio.run(drive_over_socket(unix, tmp_path, work, concurrency=2, replies="model"))
+        records = asyncio.run(drive_over_socket(unix, tmp_path, work, concurrency=2, api=api, replies="model"))
         assert [r.status for r in records] == ["ok"] * 6
         block = service.config.block_size
         for c in range(2):
@@ -784,45 +786,26 @@ def test_a_multi_turn_bench_can_send_the_model_s_own_replies_back(tmp_path, chat
                 if not chat:  # the prompt is the one before, the reply's 8 ids and the 24 of its new message
                     assert after.prompt_tokens == before.prompt_tokens + 8 + 24
         assert service.reply_ids.figures()["spliced"] == (6 if chat else 0)
+        assert service.responses.figures()["responses"] == 0  # (none kept, through /v1/responses either)
         assert blocks_all_back(service)
     finally:
         service.shutdown(1)
 
 
-def test_a_stateless_responses_bench_sends_each_conversation_whole_and_hits_its_replies(tmp_path):
+def test_a_stateless_responses_turn_sends_the_whole_conversation_kept_by_no_one():
     """`--api responses --replies model`: each turn sends the whole conversation as `input`, kept by no
-    one (`store: false`), as an agent that keeps its own does; the replies go back in as the ids the
-    model made, so each turn finds the one before and its reply cached, as a chat's next turn does."""
-    pytest.importorskip("torch")
+    one (`store: false`), as an agent that keeps its own does; a system message is its instructions."""
     from dataclasses import replace
 
     from kvctl.bench_serve import request_body
 
-    from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
-
-    service = start_service(tmp_path, num_blocks=256)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
-        work = multi_turn(conversations=2, turns=3, user_tokens=24, max_tokens=8, chat=True)
-        path, body = request_body(work[1], 1, "responses", None, stateless=True)
-        assert (path, body["store"], body["input"]) == ("v1/responses", False, work[1].messages)
-        assert "previous_response_id" not in body and "instructions" not in body
-        system = [{"role": "system", "content": "Be brief."}]
-        _, body = request_body(replace(work[1], messages=system + work[1].messages), 1, "responses", None, True)
-        assert (body["instructions"], body["input"]) == ("Be brief.", work[1].messages)
-        records = asyncio.run(drive_over_socket(unix, tmp_path, work, concurrency=2, api="responses",
-                                                replies="model"))
-        assert [r.status for r in records] == ["ok"] * 6
-        block = service.config.block_size
-        for c in range(2):
-            turns = records[3 * c:3 * c + 3]
-            for before, after in zip(turns, turns[1:]):  # the turn before and its reply (less its last token)
-                assert after.cached_tokens == (before.prompt_tokens + 8 - 1) // block * block
-        assert service.reply_ids.figures()["spliced"] == 6  # turn 2 sends one reply back, turn 3 two: twice
-        assert service.responses.figures()["responses"] == 0  # none kept
-        assert blocks_all_back(service)
-    finally:
-        service.shutdown(1)
+    work = multi_turn(conversations=1, turns=2, user_tokens=24, max_tokens=8, chat=True)
+    path, body = request_body(work[1], 1, "responses", None, stateless=True)
+    assert (path, body["store"], body["input"]) == ("v1/responses", False, work[1].messages)
+    assert "previous_response_id" not in body and "instructions" not in body
+    system = [{"role": "system", "content": "Be brief."}]
+    _, body = request_body(replace(work[1], messages=system + work[1].messages), 1, "responses", None, True)
+    assert (body["instructions"], body["input"]) == ("Be brief.", work[1].messages)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -119,11 +119,11 @@ UNSUPPORTED_HINTS = {
 }
 
 
+# OpenAI's prompt_cache_retention: "24h" writes a request's blocks to the persistent tiers (Engine._retain)
+RETENTIONS = (None, "in_memory", "in-memory", "24h")
 # Prompts of up to this many tokens in all are hashed on the event loop when they are handed in
 # (about 0.3 ms per 1,000 tokens on a CPU core); longer ones in a worker thread, so a long prompt
 # does not hold up the streams the loop serves. A worker-thread hop costs 1-2 ms on a busy host.
-# OpenAI's prompt_cache_retention: "24h" writes a request's blocks to the persistent tiers (Engine._retain)
-RETENTIONS = (None, "in_memory", "in-memory", "24h")
 HAND_IN_ON_LOOP_TOKENS = 4096
 DISCONNECT_CHECK_S = 0.5  # how often a non-streamed request looks for its client having left
 METRICS_THREADS = 2  # worker threads of /metrics' own, apart from the 40 every sync handler shares
