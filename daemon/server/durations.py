@@ -44,3 +44,11 @@ def unix_time(reading: float | None, now: float) -> float | None:
     """A reading of the engine's clock (monotonic, `now` being its current one) as Unix time:
     what the API hands out, so scripts and other hosts can read it."""
     return None if reading is None else time.time() - (now - reading)
+
+
+def clock_reading(stored, now: float, clock: float) -> float | None:
+    """A stored Unix time as a reading of the engine's clock (`clock` read at Unix time `now`):
+    `unix_time` the other way; None where it is no finite time."""
+    if isinstance(stored, (int, float)) and not isinstance(stored, bool) and math.isfinite(stored):
+        return clock - (now - stored)
+    return None

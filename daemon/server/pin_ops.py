@@ -22,7 +22,7 @@ from kvctl.daemon.store import StoreUnavailable
 
 from . import tier_ops
 from .calls import Principal, ServiceError
-from .durations import unix_time
+from .durations import clock_reading, unix_time
 from .prefix_ops import prefix_tree, resolve_prefix, served_names
 
 log = logging.getLogger("kvd")
@@ -404,18 +404,10 @@ def restore_pins(service) -> list[str]:
             service.engine.cache.pin_keys(row["tenant"], keys, ttl=remaining, owner=row["owner"],
                                           note=row["note"], space=row.get("space"), adapter_id=row.get("adapter_id"),
                                           leave_room=False,  # the pins as they stood: warn_no_room warns
-                                          created_at=_on_clock(row.get("created_at"), now, clock))
+                                          created_at=clock_reading(row.get("created_at"), now, clock))
         except PinBudgetExceeded as exc:
             log.warning("pin %s not restored: %s", row["pin_id"], exc)
     return lapsed
-
-
-def _on_clock(stored, now: float, clock: float) -> float | None:
-    """A stored Unix time on the engine's clock (`clock` read at Unix time `now`); None where it is
-    no finite time (the pin is then taken as made now)."""
-    if isinstance(stored, (int, float)) and not isinstance(stored, bool) and math.isfinite(stored):
-        return clock - (now - stored)
-    return None
 
 
 def forget_stored_pin(service, pin_id: str) -> None:

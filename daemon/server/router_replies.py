@@ -89,8 +89,13 @@ class ReplyWatch:
                 self._kept(ids, text)
 
     def _kept(self, ids: list, text: str) -> None:
-        if all(isinstance(token, int) and not isinstance(token, bool) for token in ids):
+        if token_ids(ids):
             self.keep(ids, text)
+
+
+def token_ids(ids: list) -> bool:
+    """Whether a list read from a replica's JSON is token ids (whole numbers, not booleans)."""
+    return all(isinstance(token, int) and not isinstance(token, bool) for token in ids)
 
 
 Ask = Callable[[list[str]], None]  # (the answer's assistant texts): ask the replica for their ids

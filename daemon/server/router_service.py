@@ -46,7 +46,7 @@ from .replica_view import ReplicaView
 from .response_homes import ResponseHomes
 from .silent_replicas import GIVE_UP_SILENT_S, PROBE_EVERY_S
 from .reply_ids import REPLY_IDS_BYTES, ReplyIds
-from .router_replies import ResponseReplyWatch, ReplyWatch, keeper
+from .router_replies import ResponseReplyWatch, ReplyWatch, keeper, token_ids
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
 
 log = logging.getLogger("kvd.router")
@@ -534,26 +534,29 @@ class RouterService:
         replica prompts it (router_replies.py): not across a KV transfer, where both sides read text."""
         return self.view == "events" and not self.disaggregated and self.reply_ids.keeps
 
-    def reply_watch(self, replica: Replica, tenant: str | None) -> ReplyWatch | None:
-        """A reader of the chat answer `replica` gives `tenant`'s request, which keeps its replies'
-        ids; None where the router splices none or does not have the replica's tokenizer yet."""
+    def _splicing_tokenizer(self, replica: Replica):
+        """The replica's tokenizer, where the router keeps replies' ids for it; None where it splices
+        none or does not have that tokenizer yet."""
         view = replica.view
         if not self.splices_replies or view is None or not view.namespace:
             return None
-        tokenizer = self.tokenizers.by_digest.get(view.namespace["tokenizer_digest"])
-        return None if tokenizer is None else ReplyWatch(keeper(self.reply_ids, tokenizer, view.tenant_for(tenant)))
+        return self.tokenizers.by_digest.get(view.namespace["tokenizer_digest"])
+
+    def reply_watch(self, replica: Replica, tenant: str | None) -> ReplyWatch | None:
+        """A reader of the chat answer `replica` gives `tenant`'s request, which keeps its replies'
+        ids; None where `_splicing_tokenizer` is."""
+        tokenizer = self._splicing_tokenizer(replica)
+        return None if tokenizer is None else ReplyWatch(
+            keeper(self.reply_ids, tokenizer, replica.view.tenant_for(tenant)))
 
     def response_reply_watch(self, replica: Replica, tenant: str | None) -> ResponseReplyWatch | None:
         """A reader of the Responses answer `replica` gives `tenant`'s request: once it is whole, the
         router asks the replica, in the background, for the ids it keeps of its replies and keeps them
         (router_replies.py); None where `reply_watch` would be."""
-        view = replica.view
-        if not self.splices_replies or view is None or not view.namespace:
-            return None
-        tokenizer = self.tokenizers.by_digest.get(view.namespace["tokenizer_digest"])
+        tokenizer = self._splicing_tokenizer(replica)
         if tokenizer is None:
             return None
-        served = view.tenant_for(tenant)
+        served = replica.view.tenant_for(tenant)
 
         def ask(texts: list[str]) -> None:
             task = asyncio.get_running_loop().create_task(self._fetch_reply_ids(replica, served, tokenizer, texts))
@@ -582,7 +585,7 @@ class RouterService:
             return
         keep = keeper(self.reply_ids, tokenizer, tenant)
         for text, ids in zip(texts, body["ids"]):
-            if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if isinstance(ids, list) and ids and token_ids(ids):
                 keep(ids, text)
 
     @property
