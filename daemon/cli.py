@@ -171,6 +171,9 @@ def serve(
     prompt_cache_retention: Optional[str] = typer.Option(
         None, help="honour (a request's prompt_cache_retention 24h writes its blocks to disk and Redis as it ends) "
                    "or ignore (it is served as in_memory)."),
+    tenant_prompt_cache_retention: Optional[str] = typer.Option(
+        None, help="Per-tenant settings overriding --prompt-cache-retention, e.g. acme=honour,free=ignore. "
+                   "Live on a reload."),
     cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3 (or fp8, as vLLM names it), fp8_e5m2 "
                                               "or int8."),
     keep_layers_unquantised: Optional[str] = typer.Option(None, help="Layers kept in the model dtype, e.g. 0,31."),
@@ -283,7 +286,8 @@ def serve(
                    eviction=eviction, tenant_cache_shares=tenant_cache_shares, queue_order=queue_order,
                    tenant_priorities=tenant_priorities,
                    trusted_proxy=trusted_proxy, report_cached_tokens=report_cached_tokens,
-                   prompt_cache_retention=prompt_cache_retention, cache_dtype=cache_dtype,
+                   prompt_cache_retention=prompt_cache_retention,
+                   tenant_prompt_cache_retention=tenant_prompt_cache_retention, cache_dtype=cache_dtype,
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                    disk_cache_path=disk_cache_path, remote_url=remote_url, write_policy=write_policy,
@@ -336,6 +340,7 @@ SERVE_HELP_PANELS = {
     "Quantised cache formats": ("cache_dtype", "keep_layers_unquantised", "allow_uncalibrated"),
     "Tiers: host, disk, Redis": ("host_cache_bytes", "disk_cache_bytes", "disk_cache_path", "remote_url",
                                  "remote_cache_bytes", "remote_timeout", "write_policy", "prompt_cache_retention",
+                                 "tenant_prompt_cache_retention",
                                  "tiering", "tier_compress",
                                  "disk_compress", "remote_compress", "prefetch_policy", "prefetch_timeout",
                                  "prefetch_timeout_per_1k_tokens"),

@@ -128,6 +128,24 @@ def _limit(tenant: str, value: Any) -> int:
     return number
 
 
+def _retention_of(tenant: str, value: Any) -> str:
+    setting = str(value).strip().lower()
+    if setting not in RETENTION_SETTINGS:
+        raise ValueError(f"prompt_cache_retention of {tenant!r} must be {' or '.join(RETENTION_SETTINGS)}, "
+                         f"got {value!r}")
+    return setting
+
+
+def retention_for(config: "KvdConfig", tenant: str | None) -> str:
+    """Whether `tenant`'s requests that ask for `prompt_cache_retention: "24h"` are kept so (honour) or
+    served as "in_memory" (ignore): its own setting (tenant_prompt_cache_retention), else kvd's."""
+    if tenant is not None:
+        for name, setting in config.tenant_prompt_cache_retention:
+            if name == tenant:
+                return setting
+    return config.prompt_cache_retention
+
+
 def parse_lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
     """lora_modules: "name=DIR,name2=DIR2" or a mapping of name to folder -> (name, folder) pairs in
     the order given; ValueError names a part that is not NAME=DIR, or a name given twice."""
@@ -179,6 +197,8 @@ class KvdConfig:
     # (prompt-cache probing, CVE-2025-46570): `admin` where one tenant's callers do not trust each other
     report_cached_tokens: str = "all"
     prompt_cache_retention: str = "honour"  # or ignore: a request's "24h" is served as "in_memory"
+    # per-tenant settings that override it: "acme=honour,free=ignore" (YAML: a mapping)
+    tenant_prompt_cache_retention: tuple[tuple[str, str], ...] = ()
     # kvd's log while it serves (server/request_log.py), both live on a reload: a logfmt line per finished
     # request (ids, tenant, counts, times; never text or token ids), and the engine's summary every N s (0: none)
     log_requests: bool = False
@@ -389,6 +409,7 @@ _PARSERS = {
     "tenant_priorities": lambda v: parse_tenant_map(v, priority_of, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
     "tenant_queue_waits": lambda v: parse_tenant_map(v, queue_wait_of, "seconds", noun="queue wait"),
+    "tenant_prompt_cache_retention": lambda v: parse_tenant_map(v, _retention_of, "setting"),
     "lora_modules": parse_lora_modules,
     "metrics_aliases": name_list,
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,

@@ -272,9 +272,11 @@ def render_tenants(d: dict, top: int = 0) -> Group:
                       + "; pins: pinned blocks against the pin budget; TTFT ms: p50/p95 of its latest requests"
                       + ("; figures of 100,000 or more are rounded (123k, 1.23M; --json has them whole)"
                          if table.rounded else "")))
-    lost = _evicted_line(rows)
-    if lost:
-        parts.append(Text(lost))
+    for key, lead in (("evicted_blocks", "evicted to make room"),
+                      ("retained_blocks", "written to disk and Redis for prompt_cache_retention 24h")):
+        line = _most_line(rows, key, lead)
+        if line:
+            parts.append(Text(line))
     for tier, name in (("disk", "disk"), ("remote", "Redis")):
         line = _lower_tier_line(rows, tier, name)
         if line:
@@ -284,15 +286,17 @@ def render_tenants(d: dict, top: int = 0) -> Group:
     return Group(*parts)
 
 
-def _evicted_line(rows: list[dict], most: int = 5) -> str | None:
-    """`evicted to make room: globex 1,200 blocks, acme 3`: whose cached blocks paid for the others'
-    requests, the most first (none when nothing was evicted; an older kvd does not say)."""
-    lost = sorted(((row.get("evicted_blocks") or 0, row["tenant"]) for row in rows if row.get("evicted_blocks")),
-                  key=lambda item: (-item[0], item[1]))
-    if not lost:
+def _most_line(rows: list[dict], key: str, lead: str, most: int = 5) -> str | None:
+    """`evicted to make room: globex 1,200 blocks, acme 3`: the tenants with the most blocks of `key`
+    (evicted_blocks: whose cached blocks paid for the others' requests; retained_blocks: whose
+    "24h" prompt_cache_retention wrote to disk), the most first (none when no tenant has any; an
+    older kvd does not say)."""
+    counted = sorted(((row.get(key) or 0, row["tenant"]) for row in rows if row.get(key)),
+                     key=lambda item: (-item[0], item[1]))
+    if not counted:
         return None
-    shown = [f"{tenant} {count:,}" + (" blocks" if i == 0 else "") for i, (count, tenant) in enumerate(lost[:most])]
-    return "evicted to make room: " + ", ".join(shown) + (f", and {len(lost) - most} more" if len(lost) > most else "")
+    shown = [f"{tenant} {n:,}" + (" blocks" if i == 0 else "") for i, (n, tenant) in enumerate(counted[:most])]
+    return f"{lead}: " + ", ".join(shown) + (f", and {len(counted) - most} more" if len(counted) > most else "")
 
 
 def _lower_tier_line(rows: list[dict], tier: str, name: str, most: int = 5) -> str | None:

@@ -365,3 +365,27 @@ def test_a_kvd_variable_that_names_no_setting_is_named_with_its_near_miss():
         "KVD_MAX_RUNING is not a kvd serve setting and is ignored (did you mean KVD_MAX_RUNNING?)"]
     assert router_env_typos({"KVD_ROUTER_ROUTNG": "ttft", "KVD_ROUTER_ROUTING": "ttft", "KVD_MAX_RUNING": "8"}) == [
         "KVD_ROUTER_ROUTNG is not a kvd router setting and is ignored (did you mean KVD_ROUTER_ROUTING?)"]
+
+
+def test_tenant_prompt_cache_retention_overrides_kvd_s_setting_for_the_tenants_it_names():
+    from kvctl.daemon.config import retention_for
+    from kvctl.daemon.server.reload_ops import LIVE_SETTINGS
+
+    config = resolve({"prompt_cache_retention": "ignore", "tenant_prompt_cache_retention": "agents=honour,free=IGNORE"},
+                     env={})
+    assert config.tenant_prompt_cache_retention == (("agents", "honour"), ("free", "ignore"))
+    assert [retention_for(config, t) for t in ("agents", "free", "acme", None)] == ["honour", "ignore", "ignore",
+                                                                                   "ignore"]
+    assert resolve({"tenant_prompt_cache_retention": {"free": "ignore"}}, env={}).tenant_prompt_cache_retention == (
+        ("free", "ignore"),)
+    from_env = resolve({}, env={"KVD_TENANT_PROMPT_CACHE_RETENTION": "free=ignore"})
+    assert [retention_for(from_env, t) for t in ("free", "acme")] == ["ignore", "honour"]
+    for value, why in (("free=24h", "prompt_cache_retention of 'free' must be honour or ignore, got '24h'"),
+                       ("free", "expected TENANT=SETTING, got 'free'"),
+                       ("free=ignore,free=honour", "tenant 'free' is given twice"),
+                       ("a b=ignore", "tenant 'a b' is not a tenant name (letters, digits, . _ -)")):
+        with pytest.raises(ConfigError) as refused:
+            resolve({"tenant_prompt_cache_retention": value}, env={})
+        assert str(refused.value) == (f"tenant_prompt_cache_retention: invalid value {value!r} from "
+                                      f"--tenant-prompt-cache-retention: {why}")
+    assert "tenant_prompt_cache_retention" in LIVE_SETTINGS

@@ -1843,3 +1843,51 @@ def test_a_request_asking_24h_retention_is_written_to_disk_as_it_finishes(tmp_pa
         assert len(disk.index) == held and call(app, "GET", "/admin/tiers").json()["retained_blocks"] > written
     finally:
         service.shutdown(deadline=2)
+
+
+def test_a_tenant_s_own_prompt_cache_retention_decides_whether_its_24h_is_written_down(tmp_path):
+    """`tenant_prompt_cache_retention` over `prompt_cache_retention: ignore`: only the tenant named
+    `honour` has its "24h" requests written to disk; `kvctl tenants` and the metrics say whose
+    requests wrote how many blocks; a reload that names it `ignore` stops its writes."""
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from kvctl.daemon.server.app import create_app
+    from kvctl.requests_cmd import render_tenants
+
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", prompt_cache_retention="ignore",
+                            tenant_prompt_cache_retention="agents=honour")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        disk = service.tiers.disk
+
+        def chat(tenant: str, topic: str) -> dict:
+            answer = call(app, "POST", "/v1/chat/completions", headers={"X-KVD-Tenant": tenant}, json={
+                "messages": [{"role": "user", "content": f"Tell me about {topic}, at length. " * 6}],
+                "max_tokens": 20, "ignore_eos": True, "temperature": 0, "prompt_cache_retention": "24h"})
+            assert answer.status_code == 200, answer.text
+            assert service.tiers.flush(10)
+            return answer.json()
+
+        chat("acme", "the host tier")
+        assert len(disk.index) == 0  # kvd's own setting: ignore
+        kept = chat("agents", "the disk tier")
+        written = (kept["usage"]["prompt_tokens"] + 20 - 1) // 16  # every whole block: prompt and reply
+        assert written > 0 and len(disk.index) == written
+        rows = {row["tenant"]: row for row in call(app, "GET", "/admin/tenants").json()["tenants"]}
+        assert (rows["agents"]["retained_blocks"], rows["acme"]["retained_blocks"]) == (written, 0)
+        metrics = call(app, "GET", "/metrics").text
+        assert f'kvd_tenant_retained_blocks_total{{tenant="agents"}} {float(written)}' in metrics
+        assert 'kvd_tenant_retained_blocks_total{tenant="acme"} 0.0' in metrics
+        shown = Console(width=200, record=True)
+        shown.print(render_tenants(call(app, "GET", "/admin/tenants").json()))
+        assert f"written to disk and Redis for prompt_cache_retention 24h: agents {written:,} blocks" in \
+            shown.export_text()
+        # live on a reload: named ignore, its "24h" is served as "in_memory"
+        service.reload(replace(service.config, tenant_prompt_cache_retention=(("agents", "ignore"),)), actor="test")
+        chat("agents", "the remote tier")
+        assert len(disk.index) == written
+        assert service.engine.stats.tenants.totals()[-1] == written  # (RETAINED, kvd's every tenant)
+    finally:
+        service.shutdown(deadline=2)

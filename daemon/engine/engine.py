@@ -59,7 +59,7 @@ from .sampling import ContextLengthExceeded, Draw, RequestError, SamplingParams,
 from .speculative import Speculator
 from .structured import GrammarVocabulary
 
-from .tenant_book import DEFAULT_LIMIT, EVICTED, HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
+from .tenant_book import DEFAULT_LIMIT, EVICTED, HIT, PROMPT, RECOMPUTED, REJECTED, RETAINED, TenantBook
 
 LOOK = object()  # _mask_to_grammars: a row whose mask its grammar gives now (not one made ahead)
 QUEUE_TIMEOUT_LOG_S = 10.0  # the log says how many requests timed out in the queue at most this often
@@ -875,10 +875,13 @@ class Engine:
     def _retain(self, seq: Sequence) -> None:
         """A request that asked for `prompt_cache_retention: "24h"`: every indexed block the sequence
         holds as it finishes (its prompt's and its reply's: a conversation's next turn begins with
-        both) goes to the persistent tiers, whatever the write policy (TieredCache.retain)."""
+        both) goes to the persistent tiers, whatever the write policy (TieredCache.retain); what was
+        written is counted for its tenant."""
         pool = self.cache.pool
         blocks = [pool.blocks[b] for b in self.cache.block_table(seq.seq_id) if b >= 0]
-        self.tiers.retain([b for b in blocks if b.key is not None])
+        written = self.tiers.retain([b for b in blocks if b.key is not None])
+        if written:  # (whose requests write to disk: kvctl tenants)
+            self.stats.tenants.add_quietly(seq.request.tenant, RETAINED, written)
 
     PREFETCH_POLL = 0.05  # seconds an idle engine waits at most for a held request's fetch before it looks again
 

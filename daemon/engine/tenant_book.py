@@ -2,7 +2,8 @@
 
 Behind the Unix socket or a trusted proxy, `X-KVD-Tenant` names the tenant, and a gateway that
 keeps each end user's prefixes apart sends as many tenants as it has users. Each tenant's counters
-(prompt tokens, hits, recomputed tokens, requests turned away, cached blocks evicted) are kept for
+(prompt tokens, hits, recomputed tokens, requests turned away, cached blocks evicted, blocks written
+down for a "24h" prompt_cache_retention) are kept for
 the `limit` tenants active most recently. When one more arrives, the least recently active tenant
 is retired: its counters are added to `retired`, so the totals over every tenant stay exact, and a
 tenant that comes back starts a row of its own again.
@@ -19,9 +20,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-# evicted_blocks: its cached blocks the pool evicted to make room (for anyone's request)
-FIELDS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected", "evicted_blocks")
-PROMPT, HIT, RECOMPUTED, REJECTED, EVICTED = range(len(FIELDS))
+# evicted_blocks: its cached blocks the pool evicted to make room (for anyone's request);
+# retained_blocks: blocks its requests' prompt_cache_retention "24h" wrote to disk and Redis
+FIELDS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected", "evicted_blocks", "retained_blocks")
+PROMPT, HIT, RECOMPUTED, REJECTED, EVICTED, RETAINED = range(len(FIELDS))
 DEFAULT_LIMIT = 10_000  # max_tracked_tenants when nothing sets it
 
 

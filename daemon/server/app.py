@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvctl import __version__ as kvctl_version
+from kvctl.daemon.config import retention_for
 from kvctl.daemon.engine.engine import AdmissionRejected
 from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, SamplingParams
 from kvctl.daemon.model.chat_template import ChatTemplateError
@@ -257,7 +258,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, "max_tokens: must be an integer >= 1, got 0 (0 only with echo: the prompt is "
                                 "scored and nothing generated)", param="max_tokens")
         params = sampling(body, 1 if prompt_only else body.max_tokens, "completions", body.logprobs,
-                          max(scored, default=None), await shape_of(body))
+                          max(scored, default=None), await shape_of(body), who.tenant)
         return await generate(engine, prompts, params, body, http, who, CompletionShape(),
                               echo_texts(body.prompt, prompts, engine.tokenizer) if body.echo else None,
                               prompt_only=prompt_only)
@@ -304,7 +305,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                     f"reply in {engine.context_limit_text()}", param="messages",
                                code="context_length_exceeded")
         shape = chat_shape(body, tool_mode)
-        params = sampling(body, limit, api, logprobs, body.prompt_logprobs, constraint)
+        params = sampling(body, limit, api, logprobs, body.prompt_logprobs, constraint, who.tenant)
         return await generate(engine, [ids], params, body, http, who, shape)
 
     def chat_shape(body: ChatCompletionRequest, tool_mode: str | None = None) -> ChatShape:
@@ -385,9 +386,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, str(exc), param=exc.param) from None
 
     def sampling(body, max_tokens: int, api: str, logprobs: int | None, prompt_logprobs: int | None,
-                 constraint=None) -> SamplingParams:
+                 constraint=None, tenant: str | None = None) -> SamplingParams:
         """The request's sampling fields (checked by the engine, which names a bad one), and the
-        shape the reply is held to (`constraint`, checked by the engine too)."""
+        shape the reply is held to (`constraint`, checked by the engine too); `tenant`'s own
+        prompt_cache_retention setting decides whether its "24h" is kept so."""
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if body.allowed_token_ids == []:  # (None: any token)
             raise ApiError(400, "allowed_token_ids: must name one token or more, got []", param="allowed_token_ids")
@@ -402,7 +404,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if retention not in RETENTIONS:
             raise ApiError(400, f"prompt_cache_retention: must be in_memory or 24h, got {retention!r}",
                            param="prompt_cache_retention")
-        retains = service.config.prompt_cache_retention == "honour"  # (ignore: "24h" is served as "in_memory")
+        # (ignore, kvd's or the tenant's own: "24h" is served as "in_memory")
+        retains = retention == "24h" and retention_for(service.config, tenant) == "honour"
         chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": max(body.top_k, 0),
                   "min_p": controls.pop("min_p"), "repetition_penalty": controls.pop("repetition_penalty")}
         for name, default in service.sampling_defaults.items():  # the checkpoint's, for a field left out
@@ -411,7 +414,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return SamplingParams(max_tokens=max_tokens, seed=body.seed, n=body.n, stop=stop, **chosen,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
-                              extra={"api": api, **({"retain": True} if retention == "24h" and retains else {})},
+                              extra={"api": api, **({"retain": True} if retains else {})},
                               **controls)
 
     async def generate(engine, prompts: list[list[int]], params: SamplingParams, body, http: Request,

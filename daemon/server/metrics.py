@@ -26,6 +26,7 @@
     kvd_tenant_cached_blocks{tenant}          device blocks holding a tenant's cached prefixes
     kvd_tenant_rejected_requests_total{tenant} requests turned away per tenant, any reason (tenant_queue_waits,
                                               tenant_request_limits and priorities decide whose)
+    kvd_tenant_retained_blocks_total{tenant}  blocks a tenant's prompt_cache_retention 24h wrote down
     kvd_tenant_ttft_seconds{tenant}           histogram: time to first token per tenant (client requests)
     kvd_tenant_idle_blocks{tenant}            with tenant_cache_shares: idle cached blocks per tenant
     kvd_tenant_share_blocks{tenant}           and each tenant's share in blocks
@@ -121,7 +122,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from kvctl.daemon.engine.tenant_book import EVICTED, HIT, PROMPT, REJECTED
+from kvctl.daemon.engine.tenant_book import EVICTED, HIT, PROMPT, REJECTED, RETAINED
 from kvctl.daemon.software import software_versions
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
@@ -356,32 +357,28 @@ class _EngineCollector:
         yield CounterMetricFamily("kvd_reply_ids_template_changed", "Chats tokenized from their text although "
                                   "a reply's ids were kept: the chat template writes the reply otherwise (trims "
                                   "it, cuts its reasoning)", value=replies["template_changed"])
-        prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",
-                                     labels=["tenant"])
-        hit = CounterMetricFamily("kvd_tenant_hit_tokens", "Of those, served from the prefix cache, per tenant",
-                                  labels=["tenant"])
         labels = self.service.tenant_labels
-        for label, value in labels.fold(((tenant, counts[PROMPT]) for tenant, counts in by_tenant), retired[PROMPT]):
-            prompt.add_metric([label], value)
-        for label, value in labels.fold(((tenant, counts[HIT]) for tenant, counts in by_tenant), retired[HIT]):
-            hit.add_metric([label], value)
-        yield prompt
-        yield hit
+
+        def per_tenant(name: str, text: str, index: int) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, text, labels=["tenant"])
+            for label, value in labels.fold(((tenant, counts[index]) for tenant, counts in by_tenant),
+                                            retired[index]):
+                family.add_metric([label], value)
+            return family
+
+        yield per_tenant("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant", PROMPT)
+        yield per_tenant("kvd_tenant_hit_tokens", "Of those, served from the prefix cache, per tenant", HIT)
         if tenant_curves is not None:
             yield tenant_hit_curve_family(labels, hit_curve, tenant_curves.rows, tenant_curves.retired,
                                           engine.cache.block_size)
             if tenant_curves.alone:
                 yield from tenant_alone_families(tenant_curves.alone, engine.cache.block_size)
-        lost = CounterMetricFamily("kvd_tenant_evicted_blocks", "A tenant's cached blocks evicted to make room, "
-                                   "per tenant", labels=["tenant"])
-        for label, value in labels.fold(((tenant, counts[EVICTED]) for tenant, counts in by_tenant), retired[EVICTED]):
-            lost.add_metric([label], value)
-        yield lost
-        turned = CounterMetricFamily("kvd_tenant_rejected_requests", "Requests turned away, per tenant, for any "
-                                     "reason (kvd_admission_rejections_total says which)", labels=["tenant"])
-        for label, value in labels.fold(((t, counts[REJECTED]) for t, counts in by_tenant), retired[REJECTED]):
-            turned.add_metric([label], value)
-        yield turned
+        yield per_tenant("kvd_tenant_evicted_blocks", "A tenant's cached blocks evicted to make room, per tenant",
+                         EVICTED)
+        yield per_tenant("kvd_tenant_rejected_requests", "Requests turned away, per tenant, for any reason "
+                         "(kvd_admission_rejections_total says which)", REJECTED)
+        yield per_tenant("kvd_tenant_retained_blocks", "Blocks a tenant's requests asking prompt_cache_retention "
+                         "24h wrote to disk and Redis", RETAINED)
         cached = GaugeMetricFamily("kvd_tenant_cached_blocks", "Device blocks holding a tenant's cached prefixes "
                                    "(in use or idle)", labels=["tenant"])
         for label, count in labels.fold(cached_by_tenant):

@@ -73,13 +73,14 @@ def list_tenants(service: EngineService, only: str | None = None) -> dict:
     unseen = hit_curve.no_prompts(block_size) if curve is not None and names - set(curves) else None
     rows = []
     for tenant in sorted(names):
-        prompt, hit, recomputed, rejected, evicted = counted.get(tenant, (0,) * len(FIELDS))
+        prompt, hit, recomputed, rejected, evicted, retained = counted.get(tenant, (0,) * len(FIELDS))
         share = (shares or {}).get(tenant)
         rows.append({"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit,
                      "hit_ratio": hit / prompt if prompt else 0.0, "recomputed_tokens": recomputed,
                      "running": flight[(tenant, "running")], "waiting": flight[(tenant, "waiting")],
                      "rejected": rejected,
                      "cached_blocks": indexed.get(tenant, 0), "evicted_blocks": evicted,
+                     "retained_blocks": retained,
                      "idle_blocks": None if share is None else share["idle_blocks"],
                      "share_blocks": None if share is None else share["share_blocks"],
                      "pinned_blocks": pinned.get(tenant, 0),
