@@ -8,6 +8,12 @@ speculative run the acceptance rate and tokens a drafted step gave. Replies must
 greedy or (`--temperature`, seeded) sampled: the report counts the replies that equal the
 baseline's token for token.
 
+`--prediction reply` gives each request of the speculative run a prediction of its reply (OpenAI's
+Predicted Outputs, `prediction` on a chat): the baseline's reply itself, as an editor sends the file
+it asks to have edited; `--prediction edited`: that reply with a tenth of it, a third of the way in,
+replaced by other tokens, as an edit leaves a file. The prediction is given as token ids (a real
+client sends text, which a real model's replies tokenize back to).
+
 The built-in prompts are the kinds prompt lookup is for (code to edit, a passage to quote from,
 JSON to extend). The demo checkpoint's random weights make it repeat itself, which flatters
 prompt lookup: give `--model DIR` and `--prompts FILE` for the figures of a real model on your
@@ -58,9 +64,22 @@ def _prompts(path: Optional[Path]) -> list[str]:
     return prompts
 
 
+PREDICTIONS = ("none", "reply", "edited")
+
+
+def edited(reply: list[int], vocab_size: int) -> list[int]:
+    """`reply` with a tenth of it (one token at least), a third of the way in, replaced by tokens it
+    does not have there (`--prediction edited`)."""
+    start, length = len(reply) // 3, max(1, len(reply) // 10)
+    return reply[:start] + [(t + 1) % vocab_size for t in reply[start:start + length]] + reply[start + length:]
+
+
 def _run(loaded, prompt_ids: list[list[int]], max_tokens: int, concurrency: int, speculation,
-         temperature: float = 0.0) -> dict:
-    """One pass: every prompt through a fresh engine, `concurrency` at a time."""
+         temperature: float = 0.0, predictions: list[list[int]] | None = None) -> dict:
+    """One pass: every prompt through a fresh engine, `concurrency` at a time; `predictions`: each
+    request's prediction of its reply."""
+    from dataclasses import replace
+
     from kvctl.daemon.engine.engine import Engine, EngineSettings
     from kvctl.daemon.engine.sampling import SamplingParams
 
@@ -70,7 +89,8 @@ def _run(loaded, prompt_ids: list[list[int]], max_tokens: int, concurrency: int,
                                            speculation=speculation))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
     started = time.perf_counter()
-    requests = [engine.add_request(p, params) for p in prompt_ids]
+    requests = [engine.add_request(p, params if predictions is None else replace(params, prediction=tuple(guess)))
+                for p, guess in zip(prompt_ids, predictions or [None] * len(prompt_ids))]
     steps = 0
     while engine.has_work():
         engine.step()
@@ -83,28 +103,39 @@ def _run(loaded, prompt_ids: list[list[int]], max_tokens: int, concurrency: int,
     return {"seconds": wall, "steps": steps, "output_tokens": tokens, "output_tokens_per_second": tokens / wall,
             "time_per_output_token_s": sum(per_token) / len(per_token) if per_token else None,
             "e2e_p50_s": e2e[len(e2e) // 2], "replies": [r.sequences[0].output_ids for r in requests],
-            "speculation": engine.speculator.stats.describe()}
+            "speculation": engine.speculator.stats.describe(),
+            "prediction": None if predictions is None else {
+                "predicted_tokens": sum(r.metrics.predicted_tokens for r in requests),
+                "accepted_prediction_tokens": sum(r.metrics.kept_predicted_tokens for r in requests)}}
 
 
 def measure(loaded, prompts: list[str], max_tokens: int, concurrency: int, speculation, repeats: int,
-            temperature: float = 0.0) -> dict:
-    """Baseline and speculative passes, interleaved; the fastest of each."""
+            temperature: float = 0.0, prediction: str = "none") -> dict:
+    """Baseline and speculative passes, interleaved; the fastest of each. `prediction`: what the
+    speculative run's requests are given as a prediction of their replies (PREDICTIONS)."""
     prompt_ids = [loaded.tokenizer.encode(p) for p in prompts]
     best: dict[str, dict] = {}
+    guesses = None
     for _ in range(repeats):
         for name, spec in (("baseline", None), ("speculative", speculation)):
-            run = _run(loaded, prompt_ids, max_tokens, concurrency, spec, temperature)
+            run = _run(loaded, prompt_ids, max_tokens, concurrency, spec, temperature,
+                       guesses if name == "speculative" else None)
+            if name == "baseline" and guesses is None and prediction != "none":  # (the same each pass)
+                guesses = [reply if prediction == "reply" else edited(reply, loaded.config.vocab_size)
+                           for reply in run["replies"]]
             if name not in best or run["seconds"] < best[name]["seconds"]:
                 best[name] = run
     base, fast = best["baseline"], best["speculative"]
     same = sum(a == b for a, b in zip(base.pop("replies"), fast.pop("replies")))
     base.pop("speculation")
+    base.pop("prediction")
     ratio = {key: fast[key] / base[key] for key in ("output_tokens_per_second", "time_per_output_token_s",
                                                     "e2e_p50_s", "steps")
              if base.get(key) and fast.get(key) is not None}
     return {"settings": {"requests": len(prompts), "max_tokens": max_tokens, "concurrency": concurrency,
                          "temperature": temperature, "repeats": repeats,
-                         "speculative_config": speculation.describe()},
+                         "speculative_config": None if speculation is None else speculation.describe(),
+                         "prediction": prediction},
             "baseline": base, "speculative": fast, "ratio": ratio, "identical_replies": same}
 
 
@@ -120,13 +151,20 @@ def speculation_command(
     concurrency: int = typer.Option(1, help="Requests in the batch at once (1: latency, as one user sees it)."),
     temperature: float = typer.Option(0.0, help="Sampling temperature (0: greedy); sampled requests are seeded."),
     repeats: int = typer.Option(3, help="Passes of each configuration, interleaved (the fastest is kept)."),
+    prediction: str = typer.Option("none", "--prediction", help="Each speculative request's prediction of its "
+                                   "reply (OpenAI's Predicted Outputs): none, reply (the baseline's reply) or "
+                                   "edited (that reply with a tenth of it changed)."),
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Decoding with speculative decoding beside the same requests without it.
 
-    Example: kvctl bench speculation --speculative-config '{"num_speculative_tokens": 6}' --concurrency 4
+    With --prediction, the speculative run's requests also carry a prediction of their replies
+    (OpenAI's Predicted Outputs), drafted ahead; --speculative-config none measures it alone.
+
+    Example: kvctl bench speculation --speculative-config '{"num_speculative_tokens": 6}' --concurrency 4;
+    kvctl bench speculation --prediction edited --speculative-config none
     """
     from kvctl.daemon.config import ConfigError, resolve, speculation_of
 
@@ -137,8 +175,11 @@ def speculation_command(
         speculation = speculation_of(resolve({"speculative_config": speculative_config}, env={}).speculative_config)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
-    if speculation is None:
-        raise UserError("speculative_config: give a speculation to measure, e.g. '{\"num_speculative_tokens\": 4}'")
+    if prediction not in PREDICTIONS:
+        raise typer.BadParameter(f"prediction: must be none, reply or edited, got {prediction!r}")
+    if speculation is None and prediction == "none":
+        raise UserError("speculative_config: give a speculation to measure, e.g. '{\"num_speculative_tokens\": 4}', "
+                        "or a --prediction")
     if not 0 <= temperature <= 100:
         raise typer.BadParameter(f"temperature: must be between 0 and 100, got {temperature}")
     prompts = _prompts(prompts_file)
@@ -147,7 +188,7 @@ def speculation_command(
 
     with tempfile.TemporaryDirectory(prefix="kvctl-bench-spec-") as scratch:
         loaded = load_model(model or ensure_demo_checkpoint(Path(scratch)))
-        document = measure(loaded, prompts, max_tokens, concurrency, speculation, repeats, temperature)
+        document = measure(loaded, prompts, max_tokens, concurrency, speculation, repeats, temperature, prediction)
     document["model"] = model or "demo"
     from .records_cmd import save_and_show
 
@@ -180,7 +221,13 @@ def render(document: dict, console: Console | None = None) -> None:
     kept = "no draft was made" if not spec["drafts"] else (
         f"{spec['accepted_tokens']:,} of {spec['draft_tokens']:,} drafted tokens kept ({spec['acceptance_rate']:.0%}), "
         f"{spec['mean_accepted_length']:.2f} tokens a drafted step")
-    console.print(f"ngram, up to {config['num_speculative_tokens']} draft tokens: {kept}; replies identical to the "
-                  f"baseline's: {document['identical_replies']} of {settings['requests']}", markup=False)
+    drafts = [] if config is None else [f"ngram, up to {config['num_speculative_tokens']} draft tokens"]
+    predicted = fast.get("prediction")
+    if predicted is not None:  # (--prediction; an earlier run saved has none)
+        drafts.append(f"each request given {'its reply' if settings['prediction'] == 'reply' else 'its reply edited'} "
+                      f"as a prediction, {predicted['accepted_prediction_tokens']:,} of "
+                      f"{predicted['predicted_tokens']:,} predicted tokens kept")
+    console.print(f"{' and '.join(drafts)}: {kept}; replies identical to the baseline's: "
+                  f"{document['identical_replies']} of {settings['requests']}", markup=False)
     if document.get("run_id"):
         console.print(f"saved as run:{document['run_id']}")

@@ -117,20 +117,76 @@ class NgramIndex:
     def propose(self, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the longest suffix (at most `high`, at least `low`
         tokens) seen before, at its latest occurrence; [] when none was."""
-        import numpy
-
         size, tokens = self._size, self._tokens
         if limit < 1 or size < 2:
             return []
-        # followers: j such that tokens[j - 1] is an earlier occurrence of the last token
-        followers = numpy.flatnonzero(tokens[:size - 1] == tokens[size - 1]) + 1
-        matched = numpy.ones(len(followers), dtype=numpy.int64)  # suffix tokens each occurrence matches
-        for back in range(1, min(self.high, size - 1)):
-            at = followers - 1 - back
-            still = (matched == back) & (at >= 0)
-            still[still] = tokens[at[still]] == tokens[size - 1 - back]
-            matched += still
+        followers, matched = suffix_matches(tokens[:size - 1], tokens[:size], self.high)
         if not len(followers) or matched.max() < self.low:
             return []
         best = followers[matched == matched.max()][-1]  # the longest match, its latest occurrence
         return tokens[best:min(best + limit, size)].tolist()
+
+
+def suffix_matches(corpus, tokens, high: int):
+    """Where the last tokens of `tokens` (an int32 array) occur in `corpus`: `followers`, each j such
+    that corpus[j - 1] is the last token, and `matched`, how many of the last tokens (up to `high`)
+    end at corpus[j - 1], vectorised (NumPy arrays both)."""
+    import numpy  # here, not at import: kvd router reads this module's config parser and needs none
+
+    last = len(tokens) - 1
+    followers = numpy.flatnonzero(corpus == tokens[last]) + 1
+    matched = numpy.ones(len(followers), dtype=numpy.int64)
+    for back in range(1, min(high, len(tokens))):
+        at = followers - 1 - back
+        still = (matched == back) & (at >= 0)
+        still[still] = corpus[at[still]] == tokens[last - back]
+        matched += still
+    return followers, matched
+
+
+class PredictionLookup:
+    """A request's predicted reply (OpenAI's Predicted Outputs, `prediction`) as drafts for one of
+    its samples. While the reply follows the prediction token for token, the draft is the
+    prediction's next tokens. Where the reply leaves it (the part of a file an edit changes), the
+    reply's last n tokens (n from `high` down to `low`) are looked up in the prediction, and the
+    draft goes on from the longest match, its first occurrence after where the reply last followed
+    the prediction (else its first anywhere): the reply has come back to the unchanged part."""
+
+    __slots__ = ("low", "high", "_tokens", "_at", "_last", "_fed")
+
+    def __init__(self, prediction: Sequence[int], low: int = 2, high: int = 4) -> None:
+        import numpy
+
+        self.low, self.high = low, high
+        self._tokens = numpy.asarray(prediction, dtype=numpy.int32)
+        self._at: int | None = 0  # the prediction's token the reply's next one would match; None: lost
+        self._last = 0  # where the reply last followed the prediction
+        self._fed = 0  # reply tokens read
+
+    def propose(self, reply: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens of the prediction after `reply` (the sample's output so far; each call
+        reads the tokens added since the last); [] where the reply is not found in it."""
+        tokens = self._tokens
+        for token in reply[self._fed:]:
+            if self._at is not None and self._at < len(tokens) and tokens[self._at] == token:
+                self._at += 1
+                self._last = self._at
+            else:
+                self._at = None
+        self._fed = len(reply)
+        if self._at is None and len(reply) >= self.low:
+            self._at = self._find(reply)
+        if self._at is None or limit < 1:
+            return []
+        return tokens[self._at:self._at + limit].tolist()
+
+    def _find(self, reply: Sequence[int]) -> int | None:
+        import numpy
+
+        tail = numpy.asarray(reply[-self.high:], dtype=numpy.int32)
+        followers, matched = suffix_matches(self._tokens, tail, self.high)
+        if not len(followers) or matched.max() < self.low:
+            return None
+        longest = followers[matched == matched.max()]
+        ahead = longest[longest >= self._last]
+        return int(ahead[0] if len(ahead) else longest[0])

@@ -336,7 +336,8 @@ def test_bench_speculation_prints_both_runs_side_by_side(tmp_path, capsys):
     assert document["settings"] == {"requests": 2, "max_tokens": 40, "concurrency": 2, "repeats": 1, "temperature": 0.0,
                                     "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
                                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-                                                           "disable_by_batch_size": None}}
+                                                           "disable_by_batch_size": None},
+                                    "prediction": "none"}
     assert document["identical_replies"] == 2 and document["model"] == "demo"
     base, fast = document["baseline"], document["speculative"]
     assert base["output_tokens"] == fast["output_tokens"] == 80

@@ -1068,7 +1068,8 @@ class Engine:
                 chunk = min(seq.prefill_target - seq.num_computed, budget)
                 plan.append((seq, chunk))
                 budget -= chunk
-        if budget > 0:  # drafts take what the prompts left of the budget (none without a speculative_config)
+        if budget > 0:  # drafts take what the prompts left of the budget (none without a speculative_config
+            # or a prediction)
             running = len(self._running)
             for i, (seq, n) in enumerate(plan):
                 if seq.status is not SeqStatus.DECODE:
@@ -1365,8 +1366,12 @@ class Engine:
                     seq.grammar is not None and (seq.grammar.done or seq.grammar.failed)):
                 break
         metrics = seq.request.metrics
+        kept = self.speculator.judge(draft, tokens)
         metrics.drafted_tokens += len(draft)
-        metrics.kept_draft_tokens += self.speculator.judge(draft, tokens)
+        metrics.kept_draft_tokens += kept
+        if seq.drafted_from_prediction:
+            metrics.predicted_tokens += len(draft)
+            metrics.kept_predicted_tokens += kept
         self.cache.drop_draft(seq.seq_id)
         if len(tokens) > 1:  # into the slots the model wrote them in: nothing to copy
             self.cache.append_tokens(seq.seq_id, tokens[:-1])

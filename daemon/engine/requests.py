@@ -36,6 +36,10 @@ class RequestMetrics:
     passed_over: int = 0  # requests that arrived after it and were admitted while it waited
     drafted_tokens: int = 0  # speculative draft tokens its samples' steps carried (engine/speculative.py)
     kept_draft_tokens: int = 0  # of those, the ones its samples took
+    # of those, drafted from its prediction (params.prediction), and of them the ones kept: its usage's
+    # accepted_prediction_tokens, and rejected_prediction_tokens the difference
+    predicted_tokens: int = 0
+    kept_predicted_tokens: int = 0
     # its prefix's fetch from disk or Redis while it waited (engine clock), if there was one
     prefetch_started: float | None = None
     prefetch_tokens: int = 0  # tokens that fetch set out to bring up
@@ -74,6 +78,8 @@ class Sequence:
     grammar: object | None = None  # structured.GrammarState: where the reply is in its shape, if it has one
     draft: list[int] = field(default_factory=list)  # this step's speculative tokens after its next one
     ngrams: object | None = None  # speculation's NgramIndex of its tokens, built at its first draft
+    prediction: object | None = None  # its request's prediction as a PredictionLookup, built at its first draft
+    drafted_from_prediction: bool = False  # whether this step's draft came from it
 
     @property
     def all_tokens(self) -> list[int]:

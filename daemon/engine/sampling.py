@@ -66,6 +66,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # structured.Constraint: the shape the reply is held to (a JSON Schema, a regex, choices), or None
     constraint: object | None = None
+    # OpenAI's Predicted Outputs: the tokens the reply is expected to be mostly made of (a file before
+    # an edit), drafted ahead of each sample and kept where the model agrees (engine/speculative.py)
+    prediction: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -114,6 +117,9 @@ class SamplingParams:
                 bad("logit_bias", token, f"keys must be token ids in [0, {vocab_size})")
             if not _number(bias) or not -100 <= bias <= 100:
                 bad(f"logit_bias[{token}]", bias, "must be a number from -100 to 100")
+        for token in self.prediction:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+                bad("prediction", token, f"must be token ids in [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)

@@ -1,8 +1,10 @@
 """Speculative decoding for the engine: who gets a draft, and what the model made of it.
 
 With `speculative_config` set, a decoding sequence gets up to k draft tokens a step from
-prompt lookup (policies/speculation.py). The engine writes their slots at the sequence's tail
-(`KVCacheManager.append_draft`), computes them in the same step as the sequence's next token,
+prompt lookup (policies/speculation.py); a request that gives a prediction of its reply
+(OpenAI's Predicted Outputs) gets them from the prediction, with or without it. The engine
+writes their slots at the sequence's tail (`KVCacheManager.append_draft`), computes them in the
+same step as the sequence's next token,
 and keeps the longest run of draft tokens equal to the model's own choice at each position,
 plus the model's token after that run. The rejected tail's slots go back (`drop_draft`); the
 accepted tokens are appended by id into the same slots, so their blocks are indexed only once
@@ -18,15 +20,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvctl.policies.speculation import NgramIndex, NgramSpeculation
+from kvctl.policies.speculation import NgramIndex, NgramSpeculation, PredictionLookup
 
 from .requests import Sequence
+
+# draft tokens a step drafts from a request's prediction at most, where no speculative_config sets k:
+# a prediction is mostly right (the file an edit leaves mostly as it was), so its drafts run long
+PREDICTION_TOKENS = 8
 
 
 @dataclass(frozen=True)
 class SpeculationOverride:
     """A request's own speculation in place of the engine's: a rollout cohort's `speculative_config`
-    (daemon/server/rollouts.py); `config` None: no drafts for it."""
+    (daemon/server/rollouts.py); `config` None: no prompt-lookup drafts for it (a request's own
+    prediction is drafted still)."""
 
     config: NgramSpeculation | None
 
@@ -70,13 +77,27 @@ class Speculator:
 
     def draft(self, seq: Sequence, running: int, budget: int) -> list[int]:
         """Up to k draft tokens for `seq` (which decodes this step), within `budget` rows and its
-        own max_tokens (the step gives at most one token more than the draft); [] for none."""
+        own max_tokens (the step gives at most one token more than the draft); [] for none. A
+        request with a prediction drafts from it first (PREDICTION_TOKENS at most, or the
+        speculation's k), by prompt lookup where the reply is not found in it."""
         override = seq.request.speculation
         config = self.config if override is None else override.config
-        if config is None or budget < 1 or (
-                config.disable_by_batch_size is not None and running > config.disable_by_batch_size):
+        seq.drafted_from_prediction = False
+        if budget < 1 or (config is not None and config.disable_by_batch_size is not None
+                          and running > config.disable_by_batch_size):
             return []
         left = seq.request.params.max_tokens - len(seq.output_ids) - 1
+        prediction = seq.request.params.prediction
+        if prediction:
+            k = PREDICTION_TOKENS if config is None else config.num_speculative_tokens
+            if seq.prediction is None:
+                seq.prediction = PredictionLookup(prediction)
+            draft = seq.prediction.propose(seq.output_ids, min(k, budget, left))
+            if draft:
+                seq.drafted_from_prediction = True
+                return draft
+        if config is None:
+            return []
         limit = min(config.num_speculative_tokens, budget, left)
         if limit < 1:
             return []

@@ -13,6 +13,7 @@ drives is admin_routes.py, mounted on each front behind its `admin` dependency.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import time
@@ -277,6 +278,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             parser = service.config.tool_call_parser
             tool_mode, tool_name = tool_choice_mode(body.tool_choice, tools, parser)
             limit, opens_reply, logprobs = body.output_limit(), body.generation_prompt(), body.logprobs_wanted()
+            predicted = body.prediction_text()
             if tool_mode in ("required", "named"):  # the reply is held to calls
                 if constraint is not None:
                     raise MessagesError(f"tool_choice: a forced call and {constraint.field} cannot both shape the "
@@ -306,6 +308,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                code="context_length_exceeded")
         shape = chat_shape(body, tool_mode)
         params = sampling(body, limit, api, logprobs, body.prompt_logprobs, constraint, who.tenant)
+        if predicted:  # its tokens, as the model would write them (no special token a prompt starts with)
+            prediction = await run_in_threadpool(engine.tokenizer.encode, predicted, False)
+            params = dataclasses.replace(params, prediction=tuple(prediction))
         return await generate(engine, [ids], params, body, http, who, shape)
 
     def chat_shape(body: ChatCompletionRequest, tool_mode: str | None = None) -> ChatShape:

@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from kvctl.daemon.engine.sampling import MAX_LOGPROBS
 
-from .chat_messages import MessagesError
+from .chat_messages import MessagesError, message_text
 from .logprobs import chat_logprobs, completion_logprobs
 from .reasoning import ThinkSplitter, reasoning_fields, split_reply, splitter_for
 from . import tool_calls
@@ -33,7 +33,7 @@ UNSUPPORTED_CHAT_FIELDS = {
     "use_beam_search": (None, False), "cache_salt": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
     "chat_template": (None,), "documents": (None, []),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
     "echo": (None, False), "add_special_tokens": (None, False), **VLLM_NOT_DONE,
     "web_search_options": (None,), "verbosity": (None, "medium"),
 }
@@ -156,9 +156,29 @@ class ChatCompletionRequest(GenerationFields):
     tools: Any = None  # checked by chat_messages.checked_tools, which names the tool and field at fault
     tool_choice: Any = None  # "none", "auto", "required" or a named function (tool_calls.tool_choice_mode)
     parallel_tool_calls: bool | None = None  # false: the reply's first call only
+    # OpenAI's Predicted Outputs: {"type": "content", "content": TEXT or text parts}, the text the reply
+    # is expected to be mostly made of (a file an edit leaves mostly as it was), drafted ahead
+    prediction: Any = None
 
     def generation_prompt(self) -> bool:
         return generation_prompt(self)
+
+    def prediction_text(self) -> str | None:
+        """The prediction's text (its text parts joined as a message's are), None for none;
+        MessagesError naming the field at fault."""
+        given = self.prediction
+        if given is None:
+            return None
+        if not isinstance(given, dict):
+            raise MessagesError(f"prediction: must be an object {{\"type\": \"content\", \"content\": ...}}, "
+                                f"got {type(given).__name__}", "prediction")
+        unknown = sorted(set(given) - {"type", "content"})
+        if unknown:
+            raise MessagesError(f"prediction.{unknown[0]}: not a field of a prediction (type, content)",
+                                f"prediction.{unknown[0]}")
+        if given.get("type") != "content":
+            raise MessagesError(f"prediction.type: must be content, got {given.get('type')!r}", "prediction.type")
+        return message_text(given.get("content"), "prediction.content")
 
     def logprobs_wanted(self) -> int | None:
         """Alternatives per token when logprobs are asked for (0: the token's own only), else None."""

@@ -33,4 +33,9 @@ def usage(requests, counted: bool = True, cached: bool = True) -> dict:
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": sum(r.metrics.cached_tokens for r in requests)}
+    if any(r.params.prediction for r in requests):  # OpenAI's Predicted Outputs: the drafts of its prediction
+        kept = sum(r.metrics.kept_predicted_tokens for r in requests)
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": kept,
+            "rejected_prediction_tokens": sum(r.metrics.predicted_tokens for r in requests) - kept}
     return out
