@@ -104,9 +104,7 @@ def _run(loaded, prompt_ids: list[list[int]], max_tokens: int, concurrency: int,
             "time_per_output_token_s": sum(per_token) / len(per_token) if per_token else None,
             "e2e_p50_s": e2e[len(e2e) // 2], "replies": [r.sequences[0].output_ids for r in requests],
             "speculation": engine.speculator.stats.describe(),
-            "prediction": None if predictions is None else {
-                "predicted_tokens": sum(r.metrics.predicted_tokens for r in requests),
-                "accepted_prediction_tokens": sum(r.metrics.kept_predicted_tokens for r in requests)}}
+            "prediction": None if predictions is None else engine.speculator.predicted.describe()}
 
 
 def measure(loaded, prompts: list[str], max_tokens: int, concurrency: int, speculation, repeats: int,
@@ -216,18 +214,18 @@ def render(document: dict, console: Console | None = None) -> None:
     table.add_row("end-to-end p50", ms(base["e2e_p50_s"]), ms(fast["e2e_p50_s"]), f"{ratio['e2e_p50_s']:.2f}")
     table.add_row("engine steps", f"{base['steps']:,}", f"{fast['steps']:,}", f"{ratio['steps']:.2f}")
     console.print(table)
-    spec = fast["speculation"]
-    config = settings["speculative_config"]
-    kept = "no draft was made" if not spec["drafts"] else (
-        f"{spec['accepted_tokens']:,} of {spec['draft_tokens']:,} drafted tokens kept ({spec['acceptance_rate']:.0%}), "
-        f"{spec['mean_accepted_length']:.2f} tokens a drafted step")
-    drafts = [] if config is None else [f"ngram, up to {config['num_speculative_tokens']} draft tokens"]
-    predicted = fast.get("prediction")
-    if predicted is not None:  # (--prediction; an earlier run saved has none)
-        drafts.append(f"each request given {'its reply' if settings['prediction'] == 'reply' else 'its reply edited'} "
-                      f"as a prediction, {predicted['accepted_prediction_tokens']:,} of "
-                      f"{predicted['predicted_tokens']:,} predicted tokens kept")
-    console.print(f"{' and '.join(drafts)}: {kept}; replies identical to the baseline's: "
-                  f"{document['identical_replies']} of {settings['requests']}", markup=False)
+    config, lines = settings["speculative_config"], []
+    for figures, name in ((fast["speculation"], None if config is None else
+                           f"ngram, up to {config['num_speculative_tokens']} draft tokens"),
+                          (fast.get("prediction"), None if settings.get("prediction", "none") == "none" else
+                           "each request given " + ("its reply" if settings["prediction"] == "reply" else
+                                                    "its reply edited") + " as a prediction")):
+        if name is not None:
+            lines.append(f"{name}: " + ("no draft was made" if not figures["drafts"] else
+                         f"{figures['accepted_tokens']:,} of {figures['draft_tokens']:,} drafted tokens kept "
+                         f"({figures['acceptance_rate']:.0%}), {figures['mean_accepted_length']:.2f} tokens a "
+                         "drafted step"))
+    console.print("; ".join(lines) + f"; replies identical to the baseline's: {document['identical_replies']} of "
+                  f"{settings['requests']}", markup=False)
     if document.get("run_id"):
         console.print(f"saved as run:{document['run_id']}")

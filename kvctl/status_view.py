@@ -194,6 +194,11 @@ def render_status(data: dict, console: Console | None = None):
     spec = data.get("speculation")  # absent from an older kvd
     if spec and (spec.get("config") or spec.get("drafts")):
         facts.add_row("speculation", speculation_line(spec))
+    predicted = (spec or {}).get("prediction")  # requests' predictions' drafts (absent from an older kvd)
+    if predicted and predicted["drafts"]:
+        facts.add_row("predictions", f"{predicted['accepted_tokens']:,} of {predicted['draft_tokens']:,} tokens "
+                                     f"drafted from requests' predictions kept ({predicted['acceptance_rate']:.0%}), "
+                                     f"{predicted['mean_accepted_length']:.2f} tokens a step where one ran")
     if data.get("tiers"):
         facts.add_row("restored", f"{tokens.get('restored', 0):,} prompt tokens from lower tiers (part of the hits)")
         facts.add_row("tiers", "  ".join(

@@ -82,7 +82,9 @@ def test_a_right_prediction_gives_the_same_reply_in_a_few_steps_of_nine_tokens(d
     metrics = request.metrics
     assert (metrics.predicted_tokens, metrics.kept_predicted_tokens) == (8 * 4 + 2, 8 * 4 + 2)
     assert (metrics.drafted_tokens, metrics.kept_draft_tokens) == (34, 34)
-    assert engine.speculator.stats.accepted_tokens == 34  # kvd's speculation totals count them too
+    # kvd's figures of predictions' drafts, apart from prompt lookup's
+    assert (engine.speculator.predicted.draft_tokens, engine.speculator.predicted.accepted_tokens) == (34, 34)
+    assert engine.speculator.predicted.drafts == 5 and engine.speculator.stats.drafts == 0
 
 
 def test_an_edited_prediction_drafts_around_the_edit_and_the_reply_stays_the_model_s(demo):
@@ -181,6 +183,27 @@ def test_a_chat_with_a_prediction_says_how_many_of_its_tokens_were_accepted(daem
     wrong = chat(app, prediction={"type": "content", "content": "Something else entirely, " * 4})
     assert wrong["choices"][0]["message"]["content"] == text
     assert wrong["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] < kept
+    # kvd's figures: every chat's drafts from its prediction, in /admin/status, kvctl status and /metrics
+    details = [a["usage"]["completion_tokens_details"] for a in (answer, parts, wrong)]
+    accepted = sum(d["accepted_prediction_tokens"] for d in details)
+    rejected = sum(d["rejected_prediction_tokens"] for d in details)
+    figures = call(app, "GET", "/admin/status").json()["speculation"]
+    assert (figures["prediction"]["accepted_tokens"], figures["prediction"]["draft_tokens"]) == (
+        accepted, accepted + rejected)
+    assert figures["drafts"] == 0 and figures["config"] is None  # prompt lookup's: none here
+    metrics = call(app, "GET", "/metrics").text
+    assert f"kvd_prediction_accepted_tokens_total {float(accepted)}" in metrics
+    assert f"kvd_prediction_draft_tokens_total {float(accepted + rejected)}" in metrics
+    assert "kvd_spec_decode_draft_tokens_total 0.0" in metrics
+    from rich.console import Console
+
+    from kvctl.status_view import render_status
+
+    shown = Console(width=200, record=True)
+    render_status(call(app, "GET", "/admin/status").json(), shown)
+    said = " ".join(shown.export_text().split())
+    assert f"predictions {accepted:,} of {accepted + rejected:,} tokens drafted from requests' predictions kept" in said
+    assert "speculation" not in said
     # streamed: the last chunk's usage says the same
     events = sse_events(call(app, "POST", "/v1/chat/completions", json={
         "messages": MESSAGES, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -225,11 +248,10 @@ def test_bench_speculation_measures_predictions_beside_the_same_requests_without
     base, fast = document["baseline"], document["speculative"]
     assert base["output_tokens"] == fast["output_tokens"] == 120 and fast["steps"] < base["steps"]
     predicted = fast["prediction"]
-    assert 0 < predicted["accepted_prediction_tokens"] < predicted["predicted_tokens"]
-    assert fast["speculation"]["draft_tokens"] == predicted["predicted_tokens"]  # no other drafts
+    assert 0 < predicted["accepted_tokens"] < predicted["draft_tokens"] and fast["speculation"]["drafts"] == 0
     status, out, _ = cli(capsys, "bench", "speculation", "--prediction", "reply", "--max-tokens", "30",
                          "--repeats", "1")
-    assert status == 0 and "each request given its reply as a prediction, " in " ".join(out.split())
+    assert status == 0 and "each request given its reply as a prediction: " in " ".join(out.split())
     status, _, err = cli(capsys, "bench", "speculation", "--prediction", "file")
     assert status == 2 and "prediction: must be none, reply or edited, got 'file'" in " ".join(err.split())
     status, _, err = cli(capsys, "bench", "speculation", "--speculative-config", "none")

@@ -1366,7 +1366,7 @@ class Engine:
                     seq.grammar is not None and (seq.grammar.done or seq.grammar.failed)):
                 break
         metrics = seq.request.metrics
-        kept = self.speculator.judge(draft, tokens)
+        kept = self.speculator.judge(draft, tokens, seq.drafted_from_prediction)
         metrics.drafted_tokens += len(draft)
         metrics.kept_draft_tokens += kept
         if seq.drafted_from_prediction:

@@ -60,7 +60,8 @@ class Speculator:
     """Drafts for the engine's decoding sequences and the verdict on them."""
 
     def __init__(self, config: NgramSpeculation | None) -> None:
-        self.stats = SpeculationStats()
+        self.stats = SpeculationStats()  # prompt lookup's drafts (speculative_config)
+        self.predicted = SpeculationStats()  # requests' predictions' drafts, apart: the callers chose them
         self.config: NgramSpeculation | None = None
         self.configure(config)
 
@@ -68,11 +69,12 @@ class Speculator:
         """Serve `config` from the next step on (None: no drafts); the totals carry on."""
         self.config = config
         if config is not None:
-            self._count_positions(config.num_speculative_tokens)
+            self._count_positions(self.stats, config.num_speculative_tokens)
 
-    def _count_positions(self, k: int) -> None:
+    @staticmethod
+    def _count_positions(stats: SpeculationStats, k: int) -> None:
         """Per-position totals for drafts of up to k tokens (zeros until one is kept there)."""
-        per_position = self.stats.accepted_per_position
+        per_position = stats.accepted_per_position
         per_position += [0] * (k - len(per_position))
 
     def draft(self, seq: Sequence, running: int, budget: int) -> list[int]:
@@ -109,19 +111,20 @@ class Speculator:
             index.extend(seq.tokens_between(len(index), total))
         return index.propose(limit)
 
-    def judge(self, draft: list[int], tokens: list[int]) -> int:
+    def judge(self, draft: list[int], tokens: list[int], predicted: bool = False) -> int:
         """Count a drafted step: `tokens`, the ones it gave (its draft's leading run the sequence
         took, then the token after that run, if the sequence did not end on the run); returns the
-        draft tokens kept."""
+        draft tokens kept. `predicted`: the draft came from the request's prediction, counted in
+        `self.predicted`, not in prompt lookup's `self.stats`."""
         accepted = 0
         while accepted < min(len(draft), len(tokens)) and draft[accepted] == tokens[accepted]:
             accepted += 1
-        stats = self.stats
+        stats = self.predicted if predicted else self.stats
         stats.drafts += 1
         stats.draft_tokens += len(draft)
         stats.accepted_tokens += accepted
         stats.emitted_tokens += len(tokens)
-        self._count_positions(accepted)  # a rollout cohort's k may be above the engine's
+        self._count_positions(stats, accepted)  # a rollout cohort's k, or a prediction's, may be above the engine's
         for position in range(accepted):
             stats.accepted_per_position[position] += 1
         return accepted

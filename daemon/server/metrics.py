@@ -61,6 +61,9 @@
                                               tokens drafted; kvd_spec_decode_accepted_tokens_total, those the
                                               model agreed with (kept); and
     kvd_spec_decode_accepted_tokens_per_pos_total{position}  drafts whose token at position (0 first) was kept
+    kvd_prediction_drafts_total               the same for the drafts of requests' predictions (a chat's
+                                              `prediction`, apart from speculative_config's):
+                                              kvd_prediction_draft_tokens_total, kvd_prediction_accepted_tokens_total
     kvd_queue_age_seconds                     age of the oldest waiting request
     kvd_ttft_seconds                          histogram: time to first token
     kvd_inter_token_seconds                   histogram: time between output tokens
@@ -166,6 +169,17 @@ def _speculation_metrics(figures: dict):
     yield per_position
 
 
+def _prediction_metrics(figures: dict):
+    """The drafts of requests' predictions (a chat's `prediction`), apart from prompt lookup's."""
+    yield CounterMetricFamily("kvd_prediction_drafts", "Decode steps of a sequence that carried a draft from its "
+                              "request's prediction (Predicted Outputs)", value=figures["drafts"])
+    yield CounterMetricFamily("kvd_prediction_draft_tokens", "Tokens drafted from requests' predictions",
+                              value=figures["draft_tokens"])
+    yield CounterMetricFamily("kvd_prediction_accepted_tokens", "Tokens drafted from requests' predictions that "
+                              "the model agreed with (kept: accepted_prediction_tokens)",
+                              value=figures["accepted_tokens"])
+
+
 def tenant_hit_curve_family(labels, curve, rows: list, retired: list, block_size: int) -> CounterMetricFamily:
     """Per tenant, what the shared LRU cache over the device's blocks and over twice them would have
     served (TENANT_CURVE_TIMES; cache/hit_curve.py's tenant rows), folded as the other tenant families."""
@@ -254,7 +268,7 @@ class _EngineCollector:
                 shares = engine.cache.tenant_shares()
                 prefetched = dict(stats.prefetch_outcomes)
                 adapters = engine.adapter_requests()
-                speculation = engine.speculator.stats.describe()
+                speculation, predicted = engine.speculator.stats.describe(), engine.speculator.predicted.describe()
                 reasons = Tally(row["stranded"] for row in pin_ops.stranded_pins(self.service))
         if not had:
             with self._missed_lock:
@@ -423,6 +437,7 @@ class _EngineCollector:
                                   "waited (queue_order lpm or priority, a prefix fetch, a LoRA adapter's turn)",
                                   value=admitted_ahead)
         yield from _speculation_metrics(speculation)
+        yield from _prediction_metrics(predicted)
         yield GaugeMetricFamily("kvd_queue_age_seconds", "Age of the oldest waiting request",
                                 value=max(ages, default=0.0))
         if self.service.tls is not None:
