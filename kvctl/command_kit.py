@@ -64,6 +64,8 @@ def chat_messages_file(path: Path) -> dict:
     object with `messages`, whose `chat_template_kwargs` and `tools` come too), or a Responses
     request's body (`input`, with its `instructions` and `tools`: the chat kvd serves it as). kvd
     checks them and renders them with the model's chat template."""
+    from kvctl.daemon.server.chat_messages import asked_kwargs
+
     raw = read_text(path, "messages", "give a JSON list of {\"role\", \"content\"} messages")
     try:
         loaded = json.loads(raw)
@@ -73,7 +75,10 @@ def chat_messages_file(path: Path) -> dict:
     if isinstance(loaded, dict) and "input" in loaded and "messages" not in loaded:
         return responses_chat(loaded, path)
     if isinstance(loaded, dict) and "messages" in loaded:
-        extra = {key: loaded[key] for key in ("chat_template_kwargs", "tools") if loaded.get(key) is not None}
+        extra = {key: loaded[key] for key in ("tools",) if loaded.get(key) is not None}
+        kwargs = asked_kwargs(loaded)  # (with the request's reasoning_effort, as kvd renders it)
+        if kwargs is not None:
+            extra["chat_template_kwargs"] = kwargs
         loaded = loaded["messages"]
     if not isinstance(loaded, list):
         raise UserError(f"messages: {str(path)!r} holds a {type(loaded).__name__}; give a list of "
@@ -84,7 +89,7 @@ def chat_messages_file(path: Path) -> dict:
 def responses_chat(body: dict, path: Path) -> dict:
     """A Responses request's body (its own `input`) as the chat kvd serves it as: its instructions
     first, its items as messages, its tools (responses_input.chat_fields, kvd's own reading)."""
-    from kvctl.daemon.server.chat_messages import MessagesError
+    from kvctl.daemon.server.chat_messages import MessagesError, asked_kwargs
     from kvctl.daemon.server.responses_input import chat_fields
 
     for field in ("previous_response_id", "conversation"):
@@ -95,8 +100,9 @@ def responses_chat(body: dict, path: Path) -> dict:
         fields = chat_fields(body)
     except MessagesError as exc:
         raise UserError(f"messages: {str(path)!r}: {exc}") from None
-    if body.get("chat_template_kwargs") is not None:
-        fields["chat_template_kwargs"] = body["chat_template_kwargs"]
+    kwargs = asked_kwargs(body)  # (with the request's reasoning.effort, as kvd renders it)
+    if kwargs is not None:
+        fields["chat_template_kwargs"] = kwargs
     return fields
 
 

@@ -177,6 +177,9 @@ def test_the_values_of_unsupported_fields_that_ask_for_nothing_are_taken(daemon)
     ({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}, 400, "add_special_tokens",
      "add_special_tokens: not supported by kvd, got True; a completion's prompt is tokenized with the tokenizer's "
      "special tokens (BOS), a chat's as its template writes them; send token ids for any other"),
+    ({"messages": [{"role": "user", "content": "a"}], "reasoning_effort": "low"}, 400, "reasoning_effort",
+     "reasoning_effort: the model's chat template does not read reasoning_effort, so 'low' would change nothing; "
+     "leave it out"),
     ({"messages": [{"role": "user", "content": "a"}], "allowed_token_ids": [70, 258]}, 400, "allowed_token_ids",
      "allowed_token_ids: must be token ids in [0, 258), got 258"),
     ({"messages": [{"role": "user", "content": "a"}], "prompt_logprobs": 21}, 400, "prompt_logprobs",

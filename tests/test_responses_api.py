@@ -501,6 +501,52 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(kvd, scripted, monkey
     assert (drawn["temperature"], drawn["top_p"]) == (0.6, 0.9)
 
 
+def test_a_chat_s_reasoning_effort_reaches_a_template_that_reads_it_as_a_response_s_does(kvd, scripted, tmp_path):
+    """OpenAI's chat field `reasoning_effort` (agent SDKs send it for reasoning models) is given to
+    the template as `reasoning_effort`, as a response's `reasoning.effort` is; refused by name where
+    it is not an effort, where chat_template_kwargs says another, or (test_chat_api's demo template)
+    where the template does not read it. kvd router and kvctl --messages ask about that prompt too."""
+    import json
+
+    from kvctl.command_kit import prompt_body
+    from kvctl.daemon.server.route_question import question_of
+
+    from .daemon_fixtures import call
+
+    service, unix, _ = kvd
+    hi = [{"role": "user", "content": "Hi"}]
+    answer = call(unix, "POST", "/v1/chat/completions", json={"messages": hi, "max_tokens": 2,
+                                                               "reasoning_effort": "high"})
+    assert answer.status_code == 200, answer.text
+    prompt = service.chat_prompt(chat_messages(hi), template_kwargs={"reasoning_effort": "high"})
+    assert answer.json()["usage"]["prompt_tokens"] == len(prompt) > len(service.chat_prompt(chat_messages(hi)))
+    same = call(unix, "POST", "/v1/chat/completions", json={
+        "messages": hi, "max_tokens": 2, "reasoning_effort": "high",
+        "chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert same.json()["usage"]["prompt_tokens"] == len(prompt)
+    for extra, message in (
+            ({"reasoning_effort": "extreme"}, "reasoning_effort: must be one of minimal, low, medium, high, got "
+                                              "'extreme'"),
+            ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+             "reasoning_effort: 'low' differs from chat_template_kwargs.reasoning_effort 'high'; give one")):
+        refused = call(unix, "POST", "/v1/chat/completions", json={"messages": hi, **extra})
+        assert refused.status_code == 400
+        assert (refused.json()["error"]["param"], refused.json()["error"]["message"]) == ("reasoning_effort", message)
+    # kvd router asks about the prompt the replica renders, for a chat and for a response
+    assert question_of({"messages": hi, "reasoning_effort": "high"})["chat_template_kwargs"] == {
+        "reasoning_effort": "high"}
+    assert question_of({"input": "Hi", "reasoning": {"effort": "low"}, "chat_template_kwargs": {"x": 1}})[
+        "chat_template_kwargs"] == {"reasoning_effort": "low", "x": 1}
+    assert "chat_template_kwargs" not in question_of({"messages": hi, "reasoning_effort": None})
+    # and kvctl --messages sends it as the template reads it
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"messages": hi, "reasoning_effort": "medium"}))
+    assert prompt_body(None, None, None, request) == {"messages": hi,
+                                                      "chat_template_kwargs": {"reasoning_effort": "medium"}}
+    request.write_text(json.dumps({"input": "Hi", "reasoning": {"effort": "minimal"}}))
+    assert prompt_body(None, None, None, request)["chat_template_kwargs"] == {"reasoning_effort": "minimal"}
+
+
 def test_a_stream_left_early_cancels_its_request_in_the_engine(kvd, scripted, monkeypatch):
     """Closing the event stream (what the server does when its client leaves) closes the chat's
     stream under it, which cancels the request: it does not run to its last token for no one."""

@@ -279,6 +279,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             tool_mode, tool_name = tool_choice_mode(body.tool_choice, tools, parser)
             limit, opens_reply, logprobs = body.output_limit(), body.generation_prompt(), body.logprobs_wanted()
             predicted = body.prediction_text()
+            template = service.chat_template
+            kwargs = body.template_kwargs(template.request_kwargs if template is not None else frozenset())
             if tool_mode in ("required", "named"):  # the reply is held to calls
                 if constraint is not None:
                     raise MessagesError(f"tool_choice: a forced call and {constraint.field} cannot both shape the "
@@ -293,7 +295,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         # a chat's replies go in as the ids the model made (reply_ids.py), but not across a KV transfer
         splicing = None if kv_transfer.wanted(body) else who.tenant
         chat = partial(service.chat_prompt, messages, opens_reply, body.continue_final_message,
-                       body.chat_template_kwargs, tools, tenant=splicing, count=True)
+                       kwargs, tools, tenant=splicing, count=True)
         try:  # a long conversation is rendered and tokenized off the loop that streams every answer
             ids = chat() if messages_size(messages, tools) <= HAND_IN_ON_LOOP_TOKENS else await run_in_threadpool(chat)
         except MessagesError as exc:

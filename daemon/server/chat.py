@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from kvctl.daemon.engine.sampling import MAX_LOGPROBS
 
-from .chat_messages import MessagesError, message_text
+from .chat_messages import MessagesError, message_text, with_reasoning_effort
 from .logprobs import chat_logprobs, completion_logprobs
 from .reasoning import ThinkSplitter, reasoning_fields, split_reply, splitter_for
 from . import tool_calls
@@ -33,7 +33,7 @@ UNSUPPORTED_CHAT_FIELDS = {
     "use_beam_search": (None, False), "cache_salt": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
     "chat_template": (None,), "documents": (None, []),
-    "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
+    "audio": (None,), "modalities": (None, ["text"]),
     "echo": (None, False), "add_special_tokens": (None, False), **VLLM_NOT_DONE,
     "web_search_options": (None,), "verbosity": (None, "medium"),
 }
@@ -159,9 +159,16 @@ class ChatCompletionRequest(GenerationFields):
     # OpenAI's Predicted Outputs: {"type": "content", "content": TEXT or text parts}, the text the reply
     # is expected to be mostly made of (a file an edit leaves mostly as it was), drafted ahead
     prediction: Any = None
+    # OpenAI's: how hard a reasoning model thinks, given to a chat template that reads reasoning_effort
+    # (gpt-oss's) as that name (with_reasoning_effort)
+    reasoning_effort: Any = None
 
     def generation_prompt(self) -> bool:
         return generation_prompt(self)
+
+    def template_kwargs(self, reads: frozenset | set) -> dict | None:
+        """The chat template's kwargs: chat_template_kwargs, with reasoning_effort where it reads it."""
+        return with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort, reads, "reasoning_effort")
 
     def prediction_text(self) -> str | None:
         """The prediction's text (its text parts joined as a message's are), None for none;

@@ -23,6 +23,40 @@ class MessagesError(ValueError):
         self.param = param
 
 
+EFFORTS = ("minimal", "low", "medium", "high")  # OpenAI's reasoning efforts
+
+
+def with_reasoning_effort(kwargs: Any, effort: Any, reads: frozenset | set, param: str) -> Any:
+    """A request's chat_template_kwargs (`kwargs`) with OpenAI's reasoning effort (`effort`, from the
+    field `param`: a chat's `reasoning_effort`, a response's `reasoning.effort`) as `reasoning_effort`,
+    for a template that reads that name (`reads`: the names it reads); MessagesError names `param`
+    where the effort is not one of EFFORTS, the template would not read it, or the kwargs say another."""
+    if effort is None:
+        return kwargs
+    if effort not in EFFORTS:
+        raise MessagesError(f"{param}: must be one of {', '.join(EFFORTS)}, got {effort!r}", param)
+    if "reasoning_effort" not in reads:
+        raise MessagesError(f"{param}: the model's chat template does not read reasoning_effort, so "
+                            f"{effort!r} would change nothing; leave it out", param)
+    given = dict(kwargs) if isinstance(kwargs, dict) else {}
+    if given.get("reasoning_effort", effort) != effort:
+        raise MessagesError(f"{param}: {effort!r} differs from chat_template_kwargs.reasoning_effort "
+                            f"{given['reasoning_effort']!r}; give one", param)
+    return {**given, "reasoning_effort": effort}
+
+
+def asked_kwargs(body: dict) -> Any:
+    """A raw chat or Responses body's chat_template_kwargs with its reasoning effort folded in as
+    the template reads it, unchecked (for a question about its prompt: kvd router's routing, kvctl's
+    --messages; kvd checks what it renders)."""
+    kwargs = body.get("chat_template_kwargs")
+    reasoning = body.get("reasoning")
+    effort = body.get("reasoning_effort", reasoning.get("effort") if isinstance(reasoning, dict) else None)
+    if not isinstance(effort, str) or (kwargs is not None and not isinstance(kwargs, dict)):
+        return kwargs
+    return {"reasoning_effort": effort, **(kwargs or {})}
+
+
 def message_text(content: Any, where: str) -> str:
     """A message's content as text: a string, or a list of text parts joined by newlines."""
     if isinstance(content, str):

@@ -25,7 +25,7 @@ from pydantic import ConfigDict
 
 from . import reasoning_blob
 from .chat import Count, GenerationFields
-from .chat_messages import MessagesError
+from .chat_messages import MessagesError, with_reasoning_effort
 from .response_logprobs import OUTPUT_LOGPROBS, AnswerLogprobs
 from .response_truncation import TRUNCATIONS
 from .responses_input import checked_metadata, chat_tools, input_messages, new_id
@@ -46,7 +46,6 @@ PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_tok
              "prompt_cache_retention")
 CARRY_REASONING = "reasoning.encrypted_content"  # reasoning items carry their text (reasoning_blob.py)
 INCLUDED = (CARRY_REASONING, OUTPUT_LOGPROBS)  # the `include` values kvd serves
-EFFORTS = ("minimal", "low", "medium", "high")
 
 
 class ResponsesRequest(GenerationFields):
@@ -130,26 +129,11 @@ def response_format(text: Any) -> Any:
 def template_kwargs(body: ResponsesRequest, reads: frozenset | set) -> dict | None:
     """The template's kwargs: the request's `chat_template_kwargs`, with `reasoning.effort` as
     `reasoning_effort` where the template reads it (`reads`: the names it reads)."""
-    kwargs = body.chat_template_kwargs
     reasoning = body.reasoning
-    if reasoning is None:
-        return kwargs
-    if not isinstance(reasoning, dict):
+    if reasoning is not None and not isinstance(reasoning, dict):
         raise MessagesError(f"reasoning: must be an object with effort, got {type(reasoning).__name__}", "reasoning")
-    effort = reasoning.get("effort")
-    if effort is None:
-        return kwargs
-    if effort not in EFFORTS:
-        raise MessagesError(f"reasoning.effort: must be one of {', '.join(EFFORTS)}, got {effort!r}",
-                            "reasoning.effort")
-    if "reasoning_effort" not in reads:
-        raise MessagesError(f"reasoning.effort: the model's chat template does not read reasoning_effort, so "
-                            f"{effort!r} would change nothing; leave it out", "reasoning.effort")
-    given = dict(kwargs) if isinstance(kwargs, dict) else {}
-    if given.get("reasoning_effort", effort) != effort:
-        raise MessagesError(f"reasoning.effort: {effort!r} differs from chat_template_kwargs.reasoning_effort "
-                            f"{given['reasoning_effort']!r}; give one", "reasoning.effort")
-    return {**given, "reasoning_effort": effort}
+    return with_reasoning_effort(body.chat_template_kwargs, (reasoning or {}).get("effort"), reads,
+                                 "reasoning.effort")
 
 
 def chat_body(body: ResponsesRequest, earlier: list[dict], reads: frozenset | set) -> tuple[dict, list[dict]]:

@@ -13,7 +13,7 @@ from kvctl.daemon.model.chat_template import ChatTemplate, ChatTemplateError, Te
 from kvctl.daemon.model.tokenizer import Tokenizer
 from kvctl.policies.routing import key_affinity, prompt_affinity
 
-from .chat_messages import MessagesError, affinity_text, chat_messages, checked_tools, messages_size
+from .chat_messages import MessagesError, affinity_text, asked_kwargs, chat_messages, checked_tools, messages_size
 from .reply_splice import IdsFor, spliced_prompt
 from .responses_input import chat_fields
 
@@ -40,7 +40,7 @@ def prompt_question(body: dict) -> dict | None:
     continues another goes where that one was answered, RouterService.previous_home)."""
     if "input" in body and "messages" not in body and "prompt" not in body:
         try:
-            body = chat_fields(body) | {k: body[k] for k in ("chat_template_kwargs",) if k in body}
+            body = chat_fields(body) | {k: body[k] for k in ("chat_template_kwargs", "reasoning") if k in body}
         except MessagesError:
             return None
     if "messages" in body and "prompt" not in body:
@@ -49,8 +49,9 @@ def prompt_question(body: dict) -> dict | None:
             tools = checked_tools(body.get("tools"))
         except MessagesError:
             return None
-        if body.get("chat_template_kwargs") is not None:
-            question["chat_template_kwargs"] = body["chat_template_kwargs"]
+        kwargs = asked_kwargs(body)  # (with the request's reasoning effort, as the replica renders it)
+        if kwargs is not None:
+            question["chat_template_kwargs"] = kwargs
         if tools:
             question["tools"] = tools
         return question
