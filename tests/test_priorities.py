@@ -231,3 +231,66 @@ def test_the_priority_eviction_policy_needs_a_priority_queue():
         "eviction: priority (from --eviction) keeps the prefixes of the requests that run first, but queue_order is "
         "'fifo', where every request is equal (it would be lru); set queue_order: priority, with tenant_priorities")
     assert resolve({"eviction": "priority", "queue_order": "priority"}, {}).eviction == "priority"
+
+
+def test_a_flex_request_waits_behind_the_others_under_a_priority_queue_and_says_so(tmp_path):
+    """OpenAI's service_tier "flex" defers the request (service_tiers.FLEX_DEFERRAL) where the queue
+    is ordered by priority; "priority" never jumps ahead (served as "default"); the answer says the
+    tier that served it; a tier OpenAI has not named is a 400."""
+    import threading
+
+    service = start_service(tmp_path, num_blocks=64, queue_order="priority", tenant_priorities="batch=3")
+    unix = apps(service, token_table(tmp_path))[0]
+    try:
+        engine = service.engine
+        with service.lock:
+            engine.admission_paused = True  # everything waits, so the queue's order shows
+        answers: dict[str, dict] = {}
+        asked = [("flex", "acme", "flex"), ("batch", "batch", None), ("premium", "acme", "priority")]
+
+        def send(name, tenant, tier):
+            answers[name] = call(unix, "POST", "/v1/chat/completions", headers={"X-KVD-Tenant": tenant}, json={
+                "messages": [{"role": "user", "content": name}], "max_tokens": 2,
+                **({"service_tier": tier} if tier else {})}).json()
+
+        threads = []
+        for name, tenant, tier in asked:  # one at a time, so that they arrive in this order
+            threads.append(threading.Thread(target=send, args=(name, tenant, tier)))
+            threads[-1].start()
+            assert settled(lambda: waiting(service), lambda n: n == len(threads)) == len(threads)
+        rows = call(unix, "GET", "/admin/requests").json()["requests"]
+        # lower first: premium (acme 0; "priority" asks nothing more), batch 3, flex (acme 0 + 1000)
+        assert sorted((r["priority"], r["tenant"]) for r in rows) == [(0, "acme"), (3, "batch"), (1000, "acme")]
+        with service.lock:
+            order = [s.request.params.extra.get("priority", 0) for s in engine.waiting()]
+            engine.admission_paused = False
+            service.lock.notify_all()
+        assert order == [0, 0, 1000]  # each request's own deferral, as the trace records it
+        for thread in threads:
+            thread.join(30)
+        assert (answers["flex"]["service_tier"], answers["premium"]["service_tier"]) == ("flex", "default")
+        assert "service_tier" not in answers["batch"]  # (it named none)
+        response = call(unix, "POST", "/v1/responses", json={"input": "x", "max_output_tokens": 2,
+                                                             "service_tier": "flex"}).json()
+        assert response["service_tier"] == "flex"
+        refused = call(unix, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                   "service_tier": "economy"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "service_tier"
+        assert refused.json()["error"]["message"] == ("service_tier: must be one of auto, default, flex, priority, "
+                                                      "scale, got 'economy'")
+    finally:
+        service.shutdown(1)
+
+
+def waiting(service) -> int:
+    with service.lock:  # (the engine thread changes the queue under its lock)
+        return len(service.engine.waiting())
+
+
+def test_a_fifo_queue_serves_flex_as_default():
+    from kvctl.daemon.server.service_tiers import deferral, served_tier
+
+    assert [served_tier(t, "fifo") for t in ("flex", "priority", "auto")] == ["default"] * 3
+    assert [served_tier(t, "lpm") for t in ("flex", "default")] == ["default"] * 2
+    assert [served_tier("flex", order) for order in ("priority", "priority+lpm")] == ["flex", "flex"]
+    assert (deferral("flex"), deferral("default")) == (1000, 0)

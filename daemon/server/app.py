@@ -38,7 +38,7 @@ from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, Sa
 from kvctl.daemon.model.chat_template import ChatTemplateError
 from kvctl.daemon.store import StoreUnavailable
 
-from . import device_loss, invalid_request, kv_transfer
+from . import device_loss, invalid_request, kv_transfer, service_tiers
 from .admin_routes import admin_routes
 from .admin_slots import AdminWriteSlots
 from .api_errors import ApiError, checked_ids, error_body, refuse_unsupported
@@ -451,11 +451,17 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         sink = LoopSink(loop, events)
 
         try:
-            priority = service.queue_priority(who.tenant, body.priority)
+            tier = service_tiers.checked_tier(body.service_tier)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="service_tier") from None
+        served = None if tier is None else service_tiers.served_tier(tier, service.config.queue_order)
+        deferred = (body.priority or 0) + service_tiers.deferral(served)  # (flex: behind those that do not defer)
+        try:
+            priority = service.queue_priority(who.tenant, deferred)
         except ServiceError as exc:
             raise ApiError(exc.status, str(exc), param=exc.param) from None
-        if body.priority:  # its own deferral, for the trace (kvctl bench replay's priority queue)
-            params.extra["priority"] = body.priority
+        if deferred:  # its own deferral, for the trace (kvctl bench replay's priority queue)
+            params.extra["priority"] = deferred
         adapter = service.adapter_named(body.model)  # a LoRA adapter's name, or "" for the model itself
         # a KV transfer with another kvd (kv_transfer.py): a decode's prompt comes up from Redis first
         transfer = kv_transfer.asked(body, who.role, bool(body.stream), service)
@@ -499,6 +505,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, str(exc), code="cache_capacity_exceeded") from None
         head = {"id": shape.id_prefix + uuid.uuid4().hex[:24], "created": int(time.time()),
                 "model": adapter or service.model_name}
+        if served is not None:  # the tier that served it, where it named one (OpenAI's answers say it)
+            head["service_tier"] = served
         # the engine's ids, which `kvctl requests` lists and `kvctl cancel` takes
         named = {"X-KVD-Request-Id": ",".join(r.request_id for r in requests)}
         if client_id is not None:
@@ -578,7 +586,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 choices.append(prompt_parts.add_to_choice(choice, request))
         choices.sort(key=lambda c: c["index"])
         answer = {"id": head["id"], "object": shape.object, "created": head["created"], "model": head["model"],
-                  "choices": choices, "usage": usage_of()}
+                  **_tier_of(head), "choices": choices, "usage": usage_of()}
         if transfer == "prefill":  # the prompt's blocks in Redis before the answer names them
             transferred = await run_in_threadpool(kv_transfer.publish, service, requests, hashed)
         if transferred is not None and (transfer == "prefill" or shown):  # what came says what it cached
@@ -607,6 +615,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     app.include_router(admin_routes(service, admin, tenant_header=front == "unix" or trusted_proxy))
 
     return app
+
+
+def _tier_of(head: dict) -> dict:
+    """An answer's (or chunk's) `service_tier`, where its request named one (service_tiers.py)."""
+    return {"service_tier": head["service_tier"]} if "service_tier" in head else {}
 
 
 async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, usage_of, cancel_all,
@@ -675,7 +688,7 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                     logprobs = joined(before, logprobs) if before is not None else logprobs
                 choice = shape.chunk_choice(index_of[key], delta, token_ids, finish_reason, logprobs)
                 chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
-                         "model": head["model"], "choices": [choice]}
+                         "model": head["model"], **_tier_of(head), "choices": [choice]}
                 if running_usage:
                     made[key] += len(token_ids)
                     chunk["usage"] = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": made[key],
@@ -690,7 +703,7 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
             yield f"data: {json.dumps(body)}\n\n"
         if usage_of:
             usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
-                           "model": head["model"], "choices": [], "usage": usage_of()}
+                           "model": head["model"], **_tier_of(head), "choices": [], "usage": usage_of()}
             yield f"data: {json.dumps(usage_chunk)}\n\n"
         yield "data: [DONE]\n\n"
         finished_cleanly = True

@@ -88,6 +88,7 @@ class GenerationFields(BaseModel):
     min_tokens: Count | None = None
     logit_bias: dict[str, Number] | None = None  # token id (a JSON key, so a string) -> bias
     priority: Count | None = None  # vLLM's: with queue_order priority, lower runs first (EngineService.queue_priority)
+    service_tier: Any = None  # OpenAI's: "flex" defers the request under a priority queue (service_tiers.py)
     # OpenAI's: "24h" writes the request's blocks to the persistent tiers as it finishes (Engine._retain);
     # "in_memory" (or "in-memory"), as by default, keeps them as the write policy does
     prompt_cache_retention: str | None = None

@@ -43,7 +43,7 @@ RESPONSE_HINTS = {
 PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "user", "ignore_eos",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
              "priority", "return_tokens_as_token_ids", "kv_transfer_params", "parallel_tool_calls",
-             "prompt_cache_retention")
+             "prompt_cache_retention", "service_tier")
 CARRY_REASONING = "reasoning.encrypted_content"  # reasoning items carry their text (reasoning_blob.py)
 INCLUDED = (CARRY_REASONING, OUTPUT_LOGPROBS)  # the `include` values kvd serves
 
@@ -70,7 +70,6 @@ class ResponsesRequest(GenerationFields):
     chat_template_kwargs: Any = None  # vLLM's, as /v1/chat/completions takes them
     prompt_cache_key: str | None = None  # OpenAI's routing hint: kvd's prefix cache needs none (echoed back)
     safety_identifier: str | None = None
-    service_tier: str | None = None
     background: bool = False  # run it while the client is away (response_runs.py); kept for it to fetch
     include: Any = None  # INCLUDED: reasoning items carry their text to a next turn; the answer's logprobs
     top_logprobs: Count | None = None  # with include message.output_text.logprobs: alternatives per token
@@ -333,10 +332,11 @@ class OutputItems:
 
 def response_object(response_id: str, body: ResponsesRequest, model: str, created_at: int, items: list[dict],
                     status: str, usage: dict | None, finish_reason: str | None = None,
-                    error: dict | None = None, defaults: dict | None = None) -> dict:
+                    error: dict | None = None, defaults: dict | None = None, tier: str = "auto") -> dict:
     """The Response object, as OpenAI's API and its clients shape it. `defaults`: the sampling
     values a field left out takes (the checkpoint's generation config), so that `temperature`
-    and `top_p` say what the reply was drawn with."""
+    and `top_p` say what the reply was drawn with; `tier`: the service tier that serves it
+    (service_tiers.py; "auto" where the request named none)."""
     drawn = {name: getattr(body, name) if name in body.model_fields_set or name not in (defaults or {})
              else defaults[name] for name in ("temperature", "top_p")}
     incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
@@ -357,7 +357,7 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, create
             "truncation": body.truncation or "disabled", "usage": usage,
             "user": body.user, "metadata": body.metadata or {}, "prompt_cache_key": body.prompt_cache_key,
             "prompt_cache_retention": body.prompt_cache_retention,
-            "safety_identifier": body.safety_identifier, "service_tier": body.service_tier or "auto"}
+            "safety_identifier": body.safety_identifier, "service_tier": tier}
 
 
 ITEMS_PAGE = (1, 100, 20)  # a page of input items: the fewest, the most, and how many when `limit` is left out

@@ -19,6 +19,7 @@ from .api_errors import ApiError, refuse_unsupported
 from .calls import Principal, ServiceError
 from .chat import ChatCompletionRequest
 from .chat_messages import MessagesError, chat_messages, checked_tools
+from .service_tiers import TIERS, served_tier
 from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputItems, ResponsesRequest, chat_body,
                             input_items_page, new_id, now, response_object, status_of, usage_of, without_logprobs)
 from .response_logprobs import AnswerLogprobs
@@ -64,8 +65,10 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
     def shaped(body: ResponsesRequest, head: dict, items: list[dict], status: str, usage: dict | None = None,
                finish_reason: str | None = None, error: dict | None = None) -> dict:
         """The Response object for this request (`head`: its id, creation time and model)."""
+        asked = body.service_tier if body.service_tier in TIERS else None  # (a bad one is refused by the chat)
         return response_object(head["id"], body, head["model"], head["created"], items, status, usage, finish_reason,
-                               error=error, defaults=service.sampling_defaults)
+                               error=error, defaults=service.sampling_defaults,
+                               tier="auto" if asked is None else served_tier(asked, service.config.queue_order))
 
     def finished(body: ResponsesRequest, who: Principal, head: dict, items: OutputItems, finish_reason: str | None,
                  chat_usage: dict, conversation: list[dict], inputs: list[dict], turn: Turn | None) -> dict:

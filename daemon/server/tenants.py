@@ -5,7 +5,8 @@ tokens, how many the prefix cache served and how many were computed again after 
 totals of `kvctl status`, split by tenant); its requests in flight, and those turned away (a full
 queue, its limit of requests in flight, a request that can never fit); the device blocks holding its
 cached prefixes (in use or idle), and how many of its cached blocks were evicted to make room (whose
-blocks pay for the others' requests: what tenant shares and `eviction: priority` change); with
+blocks pay for the others' requests: what tenant shares and `eviction: priority` change), and how
+many blocks its requests asking prompt_cache_retention "24h" wrote to disk and Redis; with
 tenant cache shares, its idle blocks against its share; with a host tier, the host slots holding
 its blocks (against its share there, with shares); with a disk or Redis tier, the bytes its blocks
 take there (this daemon's writes, for Redis) against its share; its pinned blocks against its pin

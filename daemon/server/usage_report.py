@@ -27,7 +27,8 @@ def shows_cached_tokens(setting: str, role: str, passed_role: str | None = None)
 def usage(requests, counted: bool = True, cached: bool = True) -> dict:
     """OpenAI's usage of these requests. `counted`: False where the answer shows no output token
     (echo with max_tokens 0). `cached`: with prompt_tokens_details.cached_tokens (else without
-    prompt_tokens_details, as vLLM answers unless asked)."""
+    prompt_tokens_details, as vLLM answers unless asked). Requests with a prediction (Predicted
+    Outputs) add completion_tokens_details: its drafted tokens kept and not kept."""
     prompt = sum(len(r.prompt_ids) for r in requests)
     completion = sum(len(s.output_ids) for r in requests for s in r.sequences) if counted else 0
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
