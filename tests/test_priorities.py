@@ -273,6 +273,9 @@ def test_a_flex_request_waits_behind_the_others_under_a_priority_queue_and_says_
         response = call(unix, "POST", "/v1/responses", json={"input": "x", "max_output_tokens": 2,
                                                              "service_tier": "flex"}).json()
         assert response["service_tier"] == "flex"
+        jumping = call(unix, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                   "service_tier": "flex", "priority": -5})
+        assert jumping.status_code == 400 and jumping.json()["error"]["param"] == "priority"  # not 995
         refused = call(unix, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                                    "service_tier": "economy"})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "service_tier"

@@ -456,8 +456,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, str(exc), param="service_tier") from None
         served = None if tier is None else service_tiers.served_tier(tier, service.config.queue_order)
         deferred = (body.priority or 0) + service_tiers.deferral(served)  # (flex: behind those that do not defer)
-        try:
-            priority = service.queue_priority(who.tenant, deferred)
+        try:  # (the request's own priority checked alone: flex does not make a jump ahead a deferral)
+            priority = service.queue_priority(who.tenant, body.priority) - service_tiers.deferral(served)
         except ServiceError as exc:
             raise ApiError(exc.status, str(exc), param=exc.param) from None
         if deferred:  # its own deferral, for the trace (kvctl bench replay's priority queue)
