@@ -171,6 +171,9 @@ def serve(
     prompt_cache_retention: Optional[str] = typer.Option(
         None, help="honour (a request's prompt_cache_retention 24h writes its blocks to disk and Redis as it ends) "
                    "or ignore (it is served as in_memory)."),
+    predicted_outputs: Optional[str] = typer.Option(
+        None, help="honour (a chat's prediction, OpenAI's Predicted Outputs, is drafted ahead of its reply) or "
+                   "ignore (it is served as a chat without one). Live on a reload."),
     tenant_prompt_cache_retention: Optional[str] = typer.Option(
         None, help="Per-tenant settings overriding --prompt-cache-retention, e.g. acme=honour,free=ignore. "
                    "Live on a reload."),
@@ -286,7 +289,7 @@ def serve(
                    eviction=eviction, tenant_cache_shares=tenant_cache_shares, queue_order=queue_order,
                    tenant_priorities=tenant_priorities,
                    trusted_proxy=trusted_proxy, report_cached_tokens=report_cached_tokens,
-                   prompt_cache_retention=prompt_cache_retention,
+                   prompt_cache_retention=prompt_cache_retention, predicted_outputs=predicted_outputs,
                    tenant_prompt_cache_retention=tenant_prompt_cache_retention, cache_dtype=cache_dtype,
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
@@ -332,7 +335,8 @@ SERVE_HELP_PANELS = {
                          "log_requests", "log_stats_interval"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",
                            "quick_prefill_tokens",
-                           "max_running", "speculative_config", "reservation", "eviction", "pin_budget_blocks",
+                           "max_running", "speculative_config", "predicted_outputs", "reservation", "eviction",
+                           "pin_budget_blocks",
                            "pin_room_tokens"),
     "Admission and tenants": ("max_queue", "max_queue_wait", "max_tenant_requests", "tenant_request_limits",
                               "tenant_queue_waits", "queue_order", "tenant_priorities", "tenant_cache_shares",

@@ -174,7 +174,8 @@ def on_or_off(text: Any) -> bool:
 
 
 CACHED_TOKEN_REPORTS = ("all", "admin", "none")  # report_cached_tokens: who sees usage's cached_tokens
-# prompt_cache_retention: whether a request's "24h" writes its blocks to the persistent tiers as it ends
+# prompt_cache_retention: whether a request's "24h" writes its blocks to the persistent tiers as it ends;
+# predicted_outputs: whether a chat's prediction is drafted
 RETENTION_SETTINGS = ("honour", "ignore")
 
 
@@ -197,6 +198,9 @@ class KvdConfig:
     # (prompt-cache probing, CVE-2025-46570): `admin` where one tenant's callers do not trust each other
     report_cached_tokens: str = "all"
     prompt_cache_retention: str = "honour"  # or ignore: a request's "24h" is served as "in_memory"
+    # honour: a chat's `prediction` (OpenAI's Predicted Outputs) is drafted ahead of its reply
+    # (engine/speculative.py); ignore: it is served as a chat without one
+    predicted_outputs: str = "honour"
     # per-tenant settings that override it: "acme=honour,free=ignore" (YAML: a mapping)
     tenant_prompt_cache_retention: tuple[tuple[str, str], ...] = ()
     # kvd's log while it serves (server/request_log.py), both live on a reload: a logfmt line per finished
@@ -469,7 +473,7 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"must be one of {', '.join(EVICTION_POLICIES)}")
     if name == "queue_order" and value not in QUEUE_ORDERS:
         raise ValueError(f"must be {', '.join(QUEUE_ORDERS[:-1])} or {QUEUE_ORDERS[-1]}")
-    if name == "prompt_cache_retention" and value not in RETENTION_SETTINGS:
+    if name in ("prompt_cache_retention", "predicted_outputs") and value not in RETENTION_SETTINGS:
         raise ValueError(f"must be {' or '.join(RETENTION_SETTINGS)}")
     if name == "report_cached_tokens" and value not in CACHED_TOKEN_REPORTS:
         raise ValueError(f"must be {', '.join(CACHED_TOKEN_REPORTS[:-1])} or {CACHED_TOKEN_REPORTS[-1]}")

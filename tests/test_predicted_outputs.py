@@ -212,6 +212,35 @@ def test_a_chat_with_a_prediction_says_how_many_of_its_tokens_were_accepted(daem
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2]) == text
 
 
+def test_predicted_outputs_ignore_serves_a_chat_with_a_prediction_as_one_without(daemon):
+    """The operator's `predicted_outputs: ignore` (live on a reload): nothing is drafted from a
+    prediction and the usage has no completion_tokens_details; a bad prediction is still a 400."""
+    from dataclasses import replace as replaced
+
+    from kvctl.daemon.config import ConfigError, resolve
+    from kvctl.daemon.server.reload_ops import LIVE_SETTINGS
+
+    service, app = daemon
+    text = chat(app)["choices"][0]["message"]["content"]
+    before = call(app, "GET", "/admin/status").json()["speculation"]["prediction"]["draft_tokens"]
+    service.reload(replaced(service.config, predicted_outputs="ignore"), actor="test")
+    try:
+        ignored = chat(app, prediction={"type": "content", "content": text})
+        assert ignored["choices"][0]["message"]["content"] == text
+        assert "completion_tokens_details" not in ignored["usage"]
+        assert call(app, "GET", "/admin/status").json()["speculation"]["prediction"]["draft_tokens"] == before
+        bad = call(app, "POST", "/v1/chat/completions", json={"messages": MESSAGES, "prediction": "the file"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prediction"
+    finally:
+        service.reload(replaced(service.config, predicted_outputs="honour"), actor="test")
+    assert "completion_tokens_details" in chat(app, prediction={"type": "content", "content": text})["usage"]
+    assert "predicted_outputs" in LIVE_SETTINGS
+    with pytest.raises(ConfigError) as refused:
+        resolve({"predicted_outputs": "off"}, env={})
+    assert str(refused.value) == ("predicted_outputs: invalid value 'off' from --predicted-outputs: must be honour "
+                                  "or ignore")
+
+
 @pytest.mark.parametrize("prediction, param, message", [
     ("the file", "prediction", "prediction: must be an object {\"type\": \"content\", \"content\": ...}, got str"),
     ({"type": "text", "content": "x"}, "prediction.type", "prediction.type: must be content, got 'text'"),

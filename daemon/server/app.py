@@ -278,7 +278,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             parser = service.config.tool_call_parser
             tool_mode, tool_name = tool_choice_mode(body.tool_choice, tools, parser)
             limit, opens_reply, logprobs = body.output_limit(), body.generation_prompt(), body.logprobs_wanted()
-            predicted = body.prediction_text()
+            predicted = body.prediction_text()  # (checked whatever predicted_outputs says)
+            if service.config.predicted_outputs == "ignore":  # the operator's: served as a chat without one
+                predicted = None
             template = service.chat_template
             kwargs = body.template_kwargs(template.request_kwargs if template is not None else frozenset())
             if tool_mode in ("required", "named"):  # the reply is held to calls
