@@ -216,7 +216,8 @@ def test_the_engine_rule_fires_when_a_step_fails(tmp_path):
         app = create_app(service, service.metrics, front="unix")
         before = scrape(app)
         fail_a_step(service, lambda engine: engine.num_running > 0)
-        failed = call(app, "POST", "/v1/completions", json={"prompt": "word " * 8, "max_tokens": 2})
+        # (ignore_eos: a sampled end of text at the first token would finish it before a step that fails)
+        failed = call(app, "POST", "/v1/completions", json={"prompt": "word " * 8, "max_tokens": 2, "ignore_eos": True})
         assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
         assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
             "KvdEngineStepFailing": series(KVD, 1.0)}
