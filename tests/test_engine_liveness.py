@@ -90,7 +90,7 @@ def test_healthz_and_readyz_say_503_while_a_step_does_not_end_and_ok_once_it_doe
         release = stall_steps(service)
         answers = []
         asker = threading.Thread(target=lambda: answers.append(call(app, "POST", "/v1/completions", json={
-            "prompt": "Hi", "max_tokens": 2})))
+            "prompt": "Hi", "max_tokens": 2, "ignore_eos": True})))
         asker.start()
         deadline = time.monotonic() + 10
         while call(app, "GET", "/healthz").status_code == 200 and time.monotonic() < deadline:
