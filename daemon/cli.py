@@ -132,6 +132,9 @@ def serve(
         None, help="Per-tenant queue wait limits in seconds overriding --max-queue-wait, e.g. batch=600,chat=10 "
                    "(0: none for that tenant). Live on a reload."),
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
+    batch_concurrency: Optional[int] = typer.Option(
+        None, help="Requests of /v1/batches served at once, across every tenant's batches (each batch's in turn; "
+                   "flex under a priority queue). Live on a reload (default 8)."),
     responses_store_bytes: Optional[str] = typer.Option(
         None, help="Memory for the responses /v1/responses keeps for previous_response_id (least recently used "
                    "go first), e.g. 64MiB; 0 keeps none. Live on a reload: lowered, what no longer fits goes."),
@@ -282,6 +285,7 @@ def serve(
                    max_queue=max_queue, max_queue_wait=max_queue_wait, max_tenant_requests=max_tenant_requests,
                    tenant_request_limits=tenant_request_limits, tenant_queue_waits=tenant_queue_waits,
                    max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
+                   batch_concurrency=batch_concurrency,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
                    conversations_store_bytes=conversations_store_bytes, truncation_headroom=truncation_headroom,
                    reply_ids_bytes=reply_ids_bytes,
@@ -328,7 +332,7 @@ SERVE_HELP_PANELS = {
                          "state_dir",
                          "socket_path", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
                          "trusted_proxy", "max_request_bytes",
-                         "responses_store_bytes", "responses_store_file", "responses_max_age",
+                         "responses_store_bytes", "responses_store_file", "responses_max_age", "batch_concurrency",
                          "conversations_store_bytes", "reply_ids_bytes", "truncation_headroom",
                          "shutdown_timeout", "engine_stall_exit_seconds", "gc_freeze", "gc_warn_seconds",
                          "log_level", "log_format",
@@ -471,6 +475,7 @@ async def _serve(settings, re_resolve) -> int:
     if tcp_app is not None:
         fronts.serve(tcp_app, sockets=[tcp_sock], ssl_context=tls.context if tls else None)
     keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
+    service.batches.start()  # what was left of each batch at the last stop
     await stopping.wait()
     keeper.cancel()
     await loop.run_in_executor(None, service.shutdown)

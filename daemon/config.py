@@ -250,6 +250,8 @@ class KvdConfig:
     max_request_bytes: int = 32 * 2**20  # a bigger request body is refused (413) before it is read whole
     # the responses /v1/responses keeps for previous_response_id, in memory (response_store.py); 0: none
     responses_store_bytes: int = 64 * 2**20
+    # requests of /v1/batches served at once, across every tenant's batches (each batch's in turn)
+    batch_concurrency: int = 8
     # a SQLite file the kept responses are written to as well, and read back from at start, so a
     # restart keeps them (response_file.py); None: memory only
     responses_store_file: str | None = None
@@ -397,6 +399,7 @@ _PARSERS = {
     "reply_ids_bytes": size_in_bytes,
     "truncation_headroom": finite_number,
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
+    "batch_concurrency": whole_number,
     "max_queue": whole_number, "max_queue_wait": finite_number, "max_loras": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
     "max_tracked_tenants": whole_number, "trace_requests": whole_number,
@@ -428,7 +431,7 @@ def _check(name: str, value: Any) -> None:
     if name == "block_size" and value not in (8, 16, 32, 64, 128, 256):
         raise ValueError("must be one of 8, 16, 32, 64, 128, 256")
     if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory", "max_tenant_requests",
-                "max_tracked_tenants", "max_model_len", "max_loras") \
+                "max_tracked_tenants", "max_model_len", "max_loras", "batch_concurrency") \
             and value is not None and value < 1:
         raise ValueError("must be >= 1")
     if name in ("pin_budget_blocks", "pin_room_tokens", "quick_prefill_tokens", "max_tenant_metric_series", "trace_requests") \

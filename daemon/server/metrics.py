@@ -359,6 +359,18 @@ class _EngineCollector:
         yield CounterMetricFamily("kvd_conversation_turns_lost", "Responses whose turn was not added to their "
                                   "conversation: it would have outgrown conversations_store_bytes",
                                   value=conversations["turns_lost"])
+        batches = self.service.batches.figures()  # /v1/batches (batches.py)
+        family = GaugeMetricFamily("kvd_batches", "Batches kvd keeps (/v1/batches), by status", labels=["status"])
+        for status, n in batches["batches"].items():
+            family.add_metric([status], n)
+        yield family
+        yield GaugeMetricFamily("kvd_batch_requests_waiting", "Requests of the batches in progress not answered yet",
+                                value=batches["waiting"])
+        family = CounterMetricFamily("kvd_batch_requests", "Requests of batches answered, 2xx (completed) or not "
+                                     "(failed)", labels=["outcome"])
+        for outcome, n in batches["served"].items():
+            family.add_metric([outcome], n)
+        yield family
         replies = self.service.reply_ids.figures()  # chat replies' own ids (reply_ids.py)
         yield GaugeMetricFamily("kvd_reply_ids_kept", "Chat replies whose token ids kvd keeps for the next turn",
                                 value=replies["replies"])

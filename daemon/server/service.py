@@ -45,6 +45,8 @@ from kvctl.policies.queue_order import by_priority
 
 from . import device_loss, lora_ops, pin_ops, reasoning, reload_ops, response_admin, tier_ops, tool_calls, weights_ops
 from .admin_slots import WriteSlots
+from .batch_files import FileStore
+from .batches import BatchRunner
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
 from .durations import unix_time
@@ -148,6 +150,10 @@ class EngineService:
                                                ConversationFile(kept_file) if kept_file is not None else None)
         self.responses = ResponseStore(config.responses_store_bytes, kept_file)  # (starts the file's thread)
         self.reply_ids = ReplyIds(config.reply_ids_bytes)  # chat replies' own ids, for the next turn's prompt
+        # /v1/files and /v1/batches: kept in the state folder, served from it again after a restart
+        self.files = FileStore(Path(config.state_dir) / "files")
+        self.batches = BatchRunner(Path(config.state_dir) / "batches", self.files,
+                                   lambda: self.config.batch_concurrency)
         self._reply_ids_read = False  # read back from the state directory once, at the first load
         self.hub_name: str | None = None  # the model's Hugging Face id, where --model named one (hub_cache.py)
         self.ready = threading.Event()
@@ -638,6 +644,7 @@ class EngineService:
         lock the stalled step holds: kvd ends at once instead (_exit_stalled), where the stop hung
         until its service manager killed it."""
         self.notifier.stopping()
+        self.batches.stopping = True  # (what a batch has in flight is served again at the next start)
         self.accepting = False
         if self.engine is not None:  # held-open event reads answer now: they would hold up the server's stop
             self.engine.events.stop_waits()

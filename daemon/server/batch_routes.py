@@ -1,0 +1,160 @@
+"""The routes of OpenAI's Files and Batch APIs (`/v1/files`, `/v1/batches`: batch_files.py,
+batches.py), each tenant's own, and an operator's view of every tenant's batches
+(`/admin/batches`, what `kvctl batches` shows) with a cancel that is audited."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+
+from .api_errors import ApiError
+from .batch_files import FileError
+from .batches import BatchError
+from .calls import Principal
+from .chat_messages import MessagesError
+from .responses_input import checked_metadata
+
+LIST_LIMIT = (1, 100, 20)  # OpenAI's least, most and default batches a page
+
+
+class BatchBody(BaseModel):
+    """`POST /v1/batches`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: Any = None
+    endpoint: Any = None
+    completion_window: Any = None
+    metadata: Any = None
+
+
+def _refused(exc: FileError) -> ApiError:
+    kind = {404: "not_found_error", 409: "conflict_error"}.get(exc.status, "invalid_request_error")
+    return ApiError(exc.status, str(exc), type_=kind, param=exc.param)
+
+
+def _page(rows: list[dict], after: str | None, limit: str | None) -> dict:
+    """OpenAI's list of `rows` (the latest first): those after the id `after`, `limit` of them."""
+    least, most, default = LIST_LIMIT
+    try:
+        count = default if limit is None else int(limit)
+    except ValueError:
+        count = None
+    if count is None or not least <= count <= most:
+        raise ApiError(400, f"limit: must be a whole number from {least} to {most}, got {limit!r}", param="limit")
+    ids = [row["id"] for row in rows]
+    if after is not None and after not in ids:
+        raise ApiError(400, f"after: no {after!r} in this list", param="after")
+    start = 0 if after is None else ids.index(after) + 1
+    page = rows[start:start + count]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + count < len(rows)}
+
+
+def batch_routes(service, principal, admin) -> APIRouter:
+    router = APIRouter()
+    files, runner = service.files, service.batches
+
+    # ---- files ----------------------------------------------------------------------------
+    @router.post("/v1/files")
+    async def upload(file: UploadFile = File(...), purpose: str = Form(...), who: Principal = Depends(principal)):
+        content = await file.read()
+        try:
+            stored = await run_in_threadpool(files.add, who.tenant, file.filename or "upload.jsonl", purpose,
+                                             content)
+        except FileError as exc:
+            raise _refused(exc) from None
+        return stored.public()
+
+    @router.get("/v1/files")
+    async def list_files(purpose: str | None = Query(None), who: Principal = Depends(principal)):
+        return {"object": "list", "data": [f.public() for f in files.listed(who.tenant, purpose)], "has_more": False}
+
+    @router.get("/v1/files/{file_id}")
+    async def get_file(file_id: str, who: Principal = Depends(principal)):
+        try:
+            return files.get(who.tenant, file_id).public()
+        except FileError as exc:
+            raise _refused(exc) from None
+
+    @router.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str, who: Principal = Depends(principal)):
+        try:
+            content = await run_in_threadpool(files.content, who.tenant, file_id)
+        except FileError as exc:
+            raise _refused(exc) from None
+        return Response(content, media_type="application/octet-stream")
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, who: Principal = Depends(principal)):
+        try:
+            files.get(who.tenant, file_id)
+            reading = runner.holds_input(file_id)
+            if reading is not None:
+                raise FileError(f"file_id: file {file_id!r} is the input of batch {reading.id}, which is "
+                                f"{reading.status}; cancel the batch or let it end first", "file_id", 409)
+            files.delete(who.tenant, file_id)
+        except FileError as exc:
+            raise _refused(exc) from None
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # ---- batches --------------------------------------------------------------------------
+    @router.post("/v1/batches")
+    async def create_batch(body: BatchBody, who: Principal = Depends(principal)):
+        try:
+            metadata = checked_metadata(body.metadata)
+            batch = await run_in_threadpool(runner.create, who.tenant, body.input_file_id, body.endpoint,
+                                            body.completion_window, metadata)
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except FileError as exc:
+            raise _refused(exc) from None
+        runner.start()  # (on the event loop: the lines are served from it)
+        return batch.public()
+
+    @router.get("/v1/batches")
+    async def list_batches(after: str | None = Query(None), limit: str | None = Query(None),
+                           who: Principal = Depends(principal)):
+        return _page([b.public() for b in runner.listed(who.tenant)], after, limit)
+
+    @router.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str, who: Principal = Depends(principal)):
+        try:
+            return runner.get(who.tenant, batch_id).public()
+        except BatchError as exc:
+            raise _refused(exc) from None
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str, who: Principal = Depends(principal)):
+        try:
+            return runner.cancel(who.tenant, batch_id).public()
+        except BatchError as exc:
+            raise _refused(exc) from None
+
+    # ---- an operator's view ---------------------------------------------------------------
+    @router.get("/admin/batches")
+    async def admin_batches(_: Principal = Depends(admin)):
+        """Every tenant's batches, the latest first, and the requests served since kvd started."""
+        return {"batches": [{**b.public(), "tenant": b.tenant, "in_flight": b.in_flight}
+                            for b in runner.listed(None)],
+                "served": dict(runner.served), "concurrency": runner.concurrency()}
+
+    @router.post("/admin/batches/{batch_id}/cancel")
+    async def admin_cancel_batch(batch_id: str, who: Principal = Depends(admin)):
+        """Cancel any tenant's batch; audited under the batch's tenant."""
+        try:
+            batch = runner.cancel(None, batch_id)
+            answer = {**batch.public(), "tenant": batch.tenant}  # (as it stands now: it may end at the next turn)
+        except BatchError as exc:
+            await run_in_threadpool(service.store.audit, actor=who.actor, tenant=who.tenant, action="batch_cancel",
+                                    target=batch_id, result="refused", detail={"error": str(exc)})
+            raise _refused(exc) from None
+        await run_in_threadpool(service.store.audit, actor=who.actor, tenant=batch.tenant, action="batch_cancel",
+                                target=batch_id, result="ok", detail={"counts": answer["request_counts"]})
+        return answer
+
+    return router

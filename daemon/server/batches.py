@@ -1,0 +1,401 @@
+"""OpenAI's Batch API (`/v1/batches`): a file of requests that kvd serves while its caller is
+away, writing each answer to an output file the caller fetches when the batch has ended.
+
+A batch is `validating` while its input file is read (a faulty file fails it whole, each fault
+named: batch_lines.py), `in_progress` while its lines are served, `finalizing` while its output
+and error files are written, then `completed`; `cancelling` then `cancelled` when its caller (or
+an operator) cancels it, `expired` where its completion window (24 h) passes first. Lines are
+served through kvd's own API as the batch's tenant, as if each came over the socket, with
+`service_tier: "flex"` where the line names no tier (under a priority queue, behind what callers
+wait for); `batch_concurrency` lines at a time across all batches, taken from each running batch
+in turn, each batch's in the order of its prompts (lines that begin alike one after another).
+
+What a batch has served is appended to `state_dir/batches/<id>.done.jsonl` as each line ends, and
+the batch itself (`<id>.json`) is written whole at each change of status: after a restart, kvd
+serves what was left of each batch it had not finished. A line answered 429 or 503 (a full queue,
+kvd asleep, draining or stopping) is not written: it is served again later, not counted failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from kvctl.daemon.whole_file import write_json_whole, write_whole
+
+from .batch_files import FileError, FileStore
+from .batch_lines import ENDPOINTS, BatchLine, prompt_order, read_lines
+
+log = logging.getLogger("kvd")
+
+WINDOWS = {"24h": 86_400}  # OpenAI's only completion window
+RETRY_S = 1.0  # a line answered 429 or 503 is served again after this
+ENDED = ("completed", "failed", "expired", "cancelled")
+STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *ENDED)
+STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+
+
+def answered_2xx(answer: dict) -> bool:
+    """An output record (OpenAI's: custom_id, response, error) of a request answered 2xx."""
+    return answer["response"] is not None and 200 <= answer["response"]["status_code"] < 300
+
+
+class BatchError(FileError):
+    """A batch request that cannot be met (`status` 400, 404 or 409, `param` the field at fault)."""
+
+
+@dataclass
+class Batch:
+    """One batch: what OpenAI's batch object says, and what kvd needs to serve the rest."""
+
+    id: str
+    tenant: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    metadata: dict
+    created_at: int
+    expires_at: int
+    status: str = "validating"
+    stamps: dict = field(default_factory=dict)  # status -> when it began (STAMPS)
+    errors: list = field(default_factory=list)
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    total: int = 0
+    ending: str | None = None  # what it ends as, once finalizing
+    # what serving it keeps in memory (not written: the done file and the input say it again)
+    lines: list[BatchLine] = field(default_factory=list, repr=False)  # in the order they are served
+    answers: dict[int, dict] = field(default_factory=dict, repr=False)  # line number -> its output record
+    next_line: int = 0  # in `lines`
+    in_flight: int = 0
+    retry: list[BatchLine] = field(default_factory=list, repr=False)  # answered 429/503: served again
+    retry_at: float = 0.0
+
+    def record(self) -> dict:
+        return {"id": self.id, "tenant": self.tenant, "endpoint": self.endpoint, "input_file_id": self.input_file_id,
+                "completion_window": self.completion_window, "metadata": self.metadata, "created_at": self.created_at,
+                "expires_at": self.expires_at, "status": self.status, "stamps": self.stamps, "errors": self.errors,
+                "output_file_id": self.output_file_id, "error_file_id": self.error_file_id, "total": self.total,
+                "ending": self.ending}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "Batch":
+        return cls(**record)
+
+    @property
+    def counts(self) -> dict:
+        answers = list(self.answers.values())  # (a snapshot: its files are written in a worker thread)
+        failed = sum(1 for a in answers if not answered_2xx(a))
+        return {"total": self.total, "completed": len(answers) - failed, "failed": failed}
+
+    def public(self) -> dict:
+        """The batch object OpenAI's API answers."""
+        return {"id": self.id, "object": "batch", "endpoint": self.endpoint, "model": None,
+                "errors": {"object": "list", "data": self.errors} if self.errors else None,
+                "input_file_id": self.input_file_id, "completion_window": self.completion_window,
+                "status": self.status, "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
+                "created_at": self.created_at, "expires_at": self.expires_at,
+                **{stamp: self.stamps.get(stamp) for stamp in STAMPS},
+                "request_counts": self.counts, "usage": self.usage(), "metadata": self.metadata or None}
+
+    def usage(self) -> dict:
+        """Tokens of the requests answered so far, in the Batch API's names (cached_tokens: prompt
+        tokens the prefix cache served, where kvd reports them to the tenant)."""
+        totals = dict.fromkeys(("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens"), 0)
+        for answer in list(self.answers.values()):
+            usage = answered_2xx(answer) and isinstance(answer["response"]["body"], dict) and \
+                answer["response"]["body"].get("usage")
+            if not isinstance(usage, dict):
+                continue
+            totals["prompt_tokens"] += usage.get("prompt_tokens") or 0
+            totals["completion_tokens"] += usage.get("completion_tokens") or 0
+            totals["cached_tokens"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            totals["reasoning_tokens"] += (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+        return {"input_tokens": totals["prompt_tokens"], "output_tokens": totals["completion_tokens"],
+                "total_tokens": totals["prompt_tokens"] + totals["completion_tokens"],
+                "input_tokens_details": {"cached_tokens": totals["cached_tokens"]},
+                "output_tokens_details": {"reasoning_tokens": totals["reasoning_tokens"]}}
+
+    def pending(self) -> bool:
+        """Lines are left to hand out (now or once their retry is due)."""
+        while self.next_line < len(self.lines) and self.lines[self.next_line].number in self.answers:
+            self.next_line += 1  # (served before a restart)
+        return self.next_line < len(self.lines) or bool(self.retry)
+
+
+class BatchRunner:
+    """Every tenant's batches, served `concurrency()` lines at a time through `lines_app` (kvd's
+    Unix-socket app: its tenant header names each batch's tenant)."""
+
+    def __init__(self, folder: str | Path, files: FileStore, concurrency: Callable[[], int],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.folder = Path(folder)
+        self.files = files
+        self.concurrency = concurrency
+        self.clock = clock
+        self.lines_app = None  # set by create_app(front="unix")
+        self.stopping = False  # kvd is stopping: no line is handed out
+        self.batches: dict[str, Batch] = {}
+        self.served = {"completed": 0, "failed": 0}  # lines, since kvd started
+        self._supervisor: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        if self.folder.is_dir():
+            self._load()
+
+    # ---- what callers ask ----------------------------------------------------------------
+    def create(self, tenant: str, input_file_id: Any, endpoint: Any, completion_window: Any,
+               metadata: dict) -> Batch:
+        """A batch of `tenant`'s file, validated (a faulty file gives a `failed` batch, as OpenAI's
+        does); BatchError for a request that names no such file, endpoint or window."""
+        if endpoint not in ENDPOINTS:
+            raise BatchError(f"endpoint: kvd serves batches of {' and '.join(ENDPOINTS)}, got {endpoint!r}",
+                             "endpoint")
+        if completion_window not in WINDOWS:
+            raise BatchError(f"completion_window: must be one of {', '.join(WINDOWS)}, got {completion_window!r}",
+                             "completion_window")
+        source = self.files.get(tenant, input_file_id, "input_file_id")
+        if source.purpose != "batch":
+            raise BatchError(f"input_file_id: file {input_file_id!r} was uploaded for {source.purpose!r}; a batch's "
+                             "input is uploaded with purpose 'batch'", "input_file_id")
+        now = int(self.clock())
+        batch = Batch("batch_" + uuid.uuid4().hex, tenant, endpoint, source.id, completion_window, metadata, now,
+                      now + WINDOWS[completion_window])
+        lines, faults = read_lines(self.files.content(tenant, source.id), endpoint)
+        if faults:
+            batch.errors, batch.status, batch.stamps["failed_at"] = faults, "failed", now
+        else:
+            batch.total = len(lines)
+            batch.lines = prompt_order(lines)
+            batch.status, batch.stamps["in_progress_at"] = "in_progress", now
+        self._save(batch)
+        self.batches[batch.id] = batch
+        self._kick()
+        return batch
+
+    def get(self, tenant: str | None, batch_id: Any) -> Batch:
+        """`tenant`'s batch (None: any tenant's, for an operator); a 404 BatchError where there is none."""
+        batch = self.batches.get(batch_id) if isinstance(batch_id, str) else None
+        if batch is None or tenant not in (None, batch.tenant):
+            raise BatchError(f"batch_id: no batch {batch_id!r} is kept here", "batch_id", 404)
+        return batch
+
+    def listed(self, tenant: str | None) -> list[Batch]:
+        """`tenant`'s batches (None: every tenant's), the latest first."""
+        return sorted([b for b in list(self.batches.values()) if tenant in (None, b.tenant)],
+                      key=lambda b: (b.created_at, b.id), reverse=True)
+
+    def cancel(self, tenant: str | None, batch_id: Any) -> Batch:
+        """Hand out no more of its lines; it ends `cancelled` once those being served end (their
+        answers are in its output file)."""
+        batch = self.get(tenant, batch_id)
+        if batch.status in ENDED or batch.status == "finalizing":
+            raise BatchError(f"batch_id: batch {batch_id!r} has {'ended' if batch.status in ENDED else 'been served'} "
+                             f"({batch.status}); only a batch that has not can be cancelled", "batch_id", 409)
+        if batch.status != "cancelling":
+            batch.status, batch.stamps["cancelling_at"] = "cancelling", int(self.clock())
+            self._save(batch)
+        self._kick()
+        return batch
+
+    def figures(self) -> dict:
+        """Batches by status, the requests of those running not yet answered, and the requests
+        answered since kvd started (metrics.py)."""
+        by_status = dict.fromkeys(STATUSES, 0)
+        for batch in list(self.batches.values()):
+            by_status[batch.status] += 1
+        waiting = sum(batch.total - len(batch.answers) for batch in list(self.batches.values())
+                      if batch.status == "in_progress")
+        return {"batches": by_status, "waiting": waiting, "served": dict(self.served)}
+
+    def holds_input(self, file_id: str) -> Batch | None:
+        """The batch not yet ended that reads `file_id` (which deleting it would lose)."""
+        return next((b for b in list(self.batches.values()) if b.input_file_id == file_id and b.status not in ENDED),
+                    None)
+
+    # ---- serving --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Serve what is left of each batch, on the running event loop (at kvd's start, and at each
+        new batch: a loop that has ended takes its supervisor with it)."""
+        self._kick()
+
+    def _kick(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # (no loop: kvd's start serves what is left)
+        if self._supervisor is None or self._supervisor.done() or self._supervisor.get_loop() is not loop:
+            self._wake = asyncio.Event()
+            self._supervisor = loop.create_task(self._supervise())
+        self._wake.set()
+
+    async def _supervise(self) -> None:
+        serving: set[asyncio.Task] = set()
+        transport = httpx.ASGITransport(app=self.lines_app, raise_app_exceptions=False)  # (a 500, answered)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd-batch", timeout=None) as client:
+            while True:
+                await self._settle()
+                while len(serving) < max(1, self.concurrency()) and not self.stopping:
+                    taken = self._next()
+                    if taken is None:
+                        break
+                    task = asyncio.create_task(self._serve(client, *taken))
+                    # (a callback: it runs for a task cancelled before it started too, as at kvd's stop)
+                    task.add_done_callback(lambda _, batch=taken[0]: self._ended_one(batch))
+                    serving.add(task)
+                wake = self._wake
+                wake.clear()
+                waits = serving | {asyncio.create_task(wake.wait())}
+                done, _ = await asyncio.wait(waits, timeout=RETRY_S, return_when=asyncio.FIRST_COMPLETED)
+                serving -= done
+                for task in waits - serving - done:
+                    task.cancel()
+
+    def _next(self) -> tuple[Batch, BatchLine] | None:
+        """The next line to serve, from each running batch in turn (the one with fewest in flight first)."""
+        now = self.clock()
+        running = [b for b in list(self.batches.values()) if b.status == "in_progress" and now < b.expires_at]
+        for batch in sorted(running, key=lambda b: b.in_flight):
+            if not batch.pending():
+                continue
+            if batch.retry and batch.retry_at <= now:
+                line = batch.retry.pop(0)
+            elif batch.next_line < len(batch.lines):
+                line = batch.lines[batch.next_line]
+                batch.next_line += 1
+            else:
+                continue
+            batch.in_flight += 1
+            return batch, line
+        return None
+
+    async def _serve(self, client: httpx.AsyncClient, batch: Batch, line: BatchLine) -> None:
+        body = line.body if "service_tier" in line.body else {**line.body, "service_tier": "flex"}
+        request_id = "batch_req_" + uuid.uuid4().hex
+        try:
+            answer = await client.post(batch.endpoint, json=body,
+                                       headers={"X-KVD-Tenant": batch.tenant, "X-Request-Id": request_id})
+            status = answer.status_code
+        except httpx.HTTPError as exc:  # (kvd's own app, in process: not expected) served again
+            log.warning("batch %s: a request could not be served (%s); it is served again", batch.id,
+                        type(exc).__name__)
+            status = 503
+        if status in (429, 503) or self.stopping:  # (a full queue, kvd asleep, draining or stopping): again later
+            batch.retry.append(line)
+            batch.retry_at = self.clock() + RETRY_S
+        else:
+            try:
+                content = answer.json()
+            except ValueError:
+                content = {"error": {"message": answer.text[:1000], "type": "server_error", "param": None,
+                                     "code": None}}
+            self._note(batch, line, {"id": request_id, "custom_id": line.custom_id,
+                                     "response": {"status_code": status, "request_id": request_id, "body": content},
+                                     "error": None})
+
+    def _ended_one(self, batch: Batch) -> None:
+        batch.in_flight -= 1
+        if self._wake is not None:
+            self._wake.set()
+
+    def _note(self, batch: Batch, line: BatchLine, answer: dict) -> None:
+        batch.answers[line.number] = answer
+        self.served["completed" if answered_2xx(answer) else "failed"] += 1
+        with open(self.folder / f"{batch.id}.done.jsonl", "a") as done:
+            done.write(json.dumps({"line": line.number, **answer}) + "\n")
+
+    async def _settle(self) -> None:
+        """Batches whose lines are all served (or that were cancelled or ran out of time, with none
+        of theirs in flight) end: their files are written."""
+        now = self.clock()
+        for batch in list(self.batches.values()):
+            if batch.in_flight:
+                continue
+            if batch.status == "finalizing":  # (kvd stopped while it wrote them)
+                ending = batch.ending or "completed"
+            elif batch.status == "cancelling":
+                ending = "cancelled"
+            elif batch.status == "in_progress" and now >= batch.expires_at:
+                ending = "expired"
+            elif batch.status == "in_progress" and not batch.pending():
+                ending = "completed"
+            else:
+                continue
+            if batch.status != "finalizing":  # (said on the loop: no line of it is handed out, no cancel taken)
+                batch.status, batch.ending = "finalizing", ending
+                batch.stamps["finalizing_at"] = int(now)
+            try:
+                await asyncio.to_thread(self._finish, batch, ending, now)  # (its files: off the event loop)
+            except OSError as exc:  # (a full disk): said, and tried again at the next turn
+                log.error("batch %s: its output could not be written (%s); kvd tries again", batch.id, exc)
+
+    def _finish(self, batch: Batch, ending: str, now: float) -> None:
+        self._save(batch)  # (finalizing: a restart writes its files again)
+        unserved = {line.number: line for line in batch.lines if line.number not in batch.answers}
+        if ending == "expired":  # each line not served is an error, as OpenAI writes them
+            for number, line in unserved.items():
+                batch.answers[number] = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
+                                         "response": None, "error": {"code": "batch_expired", "message": (
+                                             "this request could not be served before the batch expired")}}
+        ok, bad = [], []
+        for _, answer in sorted(batch.answers.items()):  # (in the input's order)
+            (ok if answered_2xx(answer) else bad).append(answer)
+        stem = batch.id.removeprefix("batch_")[:24]
+        for kind, kept, attribute in (("output", ok, "output_file_id"), ("error", bad, "error_file_id")):
+            if kept:
+                content = "".join(json.dumps(a) + "\n" for a in kept).encode()
+                written = self.files.add(batch.tenant, f"{batch.id}_{kind}.jsonl", "batch_output", content,
+                                         file_id=f"file-{stem}{'0' if kind == 'output' else '1'}")
+                setattr(batch, attribute, written.id)
+        batch.status = ending
+        batch.stamps[f"{ending}_at"] = int(now)
+        batch.lines, batch.retry = [], []
+        self._save(batch)
+        (self.folder / f"{batch.id}.done.jsonl").unlink(missing_ok=True)
+        log.info("batch %s of tenant %s %s: %d of %d requests answered 2xx", batch.id, batch.tenant, ending,
+                 len(ok), batch.total)
+
+    # ---- kept across restarts -------------------------------------------------------------
+    def _save(self, batch: Batch) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_json_whole(self.folder / f"{batch.id}.json", batch.record())
+
+    def _load(self) -> None:
+        for path in sorted(self.folder.glob("batch_*.json")):
+            try:
+                batch = Batch.from_record(json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError):
+                log.error("batch record %s cannot be read; left as it is", path)
+                continue
+            self.batches[batch.id] = batch
+            if batch.status in ENDED:
+                continue
+            try:
+                lines, _ = read_lines(self.files.content(batch.tenant, batch.input_file_id), batch.endpoint)
+            except (FileError, OSError) as exc:
+                log.error("batch %s: its input file %s cannot be read (%s); the batch fails", batch.id,
+                          batch.input_file_id, exc)
+                batch.status, batch.stamps["failed_at"] = "failed", int(self.clock())
+                batch.errors = [{"code": "input_file_missing", "message": f"its input file could not be read again "
+                                 f"when kvd started: {exc}", "param": "input_file_id", "line": None}]
+                self._save(batch)
+                continue
+            batch.lines = prompt_order(lines)
+            done = self.folder / f"{batch.id}.done.jsonl"
+            torn = False
+            for row in (done.read_text().splitlines() if done.exists() else ()):
+                try:
+                    answer = json.loads(row)
+                    batch.answers[answer.pop("line")] = answer
+                except (ValueError, KeyError, AttributeError, TypeError):
+                    torn = True  # (a line a crash cut short: its request is served again)
+            if torn:  # written again without it, so that what is appended next starts a line of its own
+                write_whole(done, lambda tmp: tmp.write_text("".join(
+                    json.dumps({"line": number, **answer}) + "\n" for number, answer in batch.answers.items())))
