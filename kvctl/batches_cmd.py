@@ -36,6 +36,12 @@ def batches(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
 
 
 def batches_view(d: dict, now: float | None = None) -> Group:
+    """Each batch in two lines, and kvd's line under them; at kvd router, each replica's."""
+    if "replicas" in d:
+        return Group(*(part for row in d["replicas"] for part in (
+            [Text(f"replica {row['replica']}", style="bold"), batches_view(row["report"], now), Text("")]
+            if "report" in row else [Text(f"replica {row['replica']}: no answer ({row.get('error')})",
+                                          style="yellow"), Text("")])))
     now = time.time() if now is None else now
     parts: list = []
     for row in d["batches"]:  # (two lines a batch: its id whole, which `cancel` takes, on a narrow terminal too)

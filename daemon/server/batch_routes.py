@@ -37,7 +37,7 @@ def _refused(exc: FileError) -> ApiError:
     return ApiError(exc.status, str(exc), type_=kind, param=exc.param)
 
 
-def _page(rows: list[dict], after: str | None, limit: str | None) -> dict:
+def list_page(rows: list[dict], after: str | None, limit: str | None) -> dict:
     """OpenAI's list of `rows` (the latest first): those after the id `after`, `limit` of them."""
     least, most, default = LIST_LIMIT
     try:
@@ -119,7 +119,7 @@ def batch_routes(service, principal, admin) -> APIRouter:
     @router.get("/v1/batches")
     async def list_batches(after: str | None = Query(None), limit: str | None = Query(None),
                            who: Principal = Depends(principal)):
-        return _page([b.public() for b in runner.listed(who.tenant)], after, limit)
+        return list_page([b.public() for b in runner.listed(who.tenant)], after, limit)
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str, who: Principal = Depends(principal)):

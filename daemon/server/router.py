@@ -41,7 +41,9 @@ from kvctl import __version__ as kvctl_version
 from kvctl.policies.routing import ROUTING_POLICIES
 
 from .replica_errors import answer_described, described, kvd_json
+from .api_errors import ApiError
 from .auth import BearerRefused, TokenTable, bearer_entry
+from .batch_routes import list_page as batch_page
 from .body_limit import BodyLimit
 from .event_relay import relay_events
 from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, bodies_or_errors, combine, merge_audit_lists,
@@ -60,8 +62,8 @@ from .request_log import logfmt
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .route_spans import NO_ROUTE_SPAN
 from .router_metrics import RouterMetrics
-from .router_service import (ASK_TIMEOUT_S, KeeperUnavailable, ModelNotServed, NoneInTime, Replica, RouterService,
-                             Weighed)
+from .router_service import (ASK_TIMEOUT_S, KEPT_NOUNS, KeeperUnavailable, ModelNotServed, NoneInTime, Replica,
+                             RouterService, Weighed)
 from .silent_replicas import ReplicaSilent, watched
 from .step_failures import ENGINE_ERROR
 from .usage_report import CALLER_ROLE_HEADER
@@ -381,7 +383,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     for path, merge in (("/admin/requests", merge_request_lists), ("/admin/tenants", merge_tenant_lists),
                         ("/admin/tiers", replica_reports), ("/admin/prefixes", merge_prefix_lists),
                         ("/admin/pins", merge_pin_lists), ("/admin/profile", replica_reports),
-                        ("/admin/responses", replica_reports), ("/admin/audit", merge_audit_lists)):
+                        ("/admin/responses", replica_reports), ("/admin/audit", merge_audit_lists),
+                        ("/admin/batches", replica_reports)):
         merged_listing(path, merge)
 
     @app.get("/admin/events")
@@ -599,12 +602,17 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.post("/v1/conversations")
     async def create_conversation(http: Request, who: Caller = Depends(caller)):
-        """Made at `conversation_home`'s choice. One that cannot be reached, closes the connection
-        before answering (once, as forward) or is stopping (503) has made none: the next is tried."""
+        return await made_at_home("/v1/conversations", http, who)
+
+    async def made_at_home(path: str, http: Request, who: Caller) -> Response:
+        """A conversation (or a file, /v1/files) made at `conversation_home`'s choice, its id noted
+        as kept there. One that cannot be reached, closes the connection before answering (once,
+        as forward) or is stopping (503) has made none: the next is tried."""
         content, excluded, tried, closed_retried = await http.body(), set(), [], False
+        media = http.headers.get("content-type")
         while (replica := service.conversation_home(excluded)) is not None:
             try:
-                answer = await relayed_or_raise(replica, "POST", "/v1/conversations", who, content=content)
+                answer = await relayed_or_raise(replica, "POST", path, who, content=content, media=media)
             except (httpx.ConnectError, httpx.ConnectTimeout, *CLOSED_BEFORE_ANSWER) as exc:
                 replica.last_error = described(exc)
                 if not isinstance(exc, CLOSED_BEFORE_ANSWER):
@@ -633,6 +641,103 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(503, "no replica takes requests now", "no_replica")
         return error(503, "no replica answered: " + "; ".join(tried), "no_replica")
 
+    # ---- /v1/files and /v1/batches: a file is kept where it was uploaded, and a batch is made and
+    # served where its input file is kept (its output files are written there too)
+    @app.post("/v1/files")
+    async def upload_file(http: Request, who: Caller = Depends(caller)):
+        return await made_at_home("/v1/files", http, who)
+
+    @app.api_route("/v1/files/{file_id}", methods=["GET", "DELETE"])
+    async def kept_file(file_id: str, http: Request, who: Caller = Depends(caller)):
+        return await at_home(file_id, http.method, who, kind="files")
+
+    @app.get("/v1/files/{file_id}/content")
+    async def kept_file_content(file_id: str, who: Caller = Depends(caller)):
+        return await at_home(file_id, "GET", who, "/content", kind="files")
+
+    @app.post("/v1/batches")
+    async def create_batch(http: Request, who: Caller = Depends(caller)):
+        content = await http.body()
+        file_id = (json_object(content) or {}).get("input_file_id")
+        if not isinstance(file_id, str):
+            return error(400, f"input_file_id: must be the id of a file uploaded with purpose 'batch', got "
+                         f"{file_id!r}", "invalid_request")
+        try:
+            replica = await service.find_keeper(file_id, who.tenant, "files")
+        except KeeperUnavailable as exc:
+            return JSONResponse({"error": {"message": f"input_file_id: {exc}", "type": "router_error",
+                                           "param": "input_file_id", "code": "keeper_unavailable"}}, status_code=503)
+        if replica is None:
+            return JSONResponse({"error": {"message": f"input_file_id: no replica keeps file {file_id!r} (for this "
+                                           "tenant)", "type": "not_found_error", "param": "input_file_id",
+                                           "code": "file_not_found"}}, status_code=404)
+        answer = await relayed(replica, "POST", "/v1/batches", who, content=content)
+        if answer.status_code == 200:
+            service.response_homes.note(json.loads(answer.body)["id"], replica.name)
+        return answer
+
+    @app.get("/v1/batches/{batch_id}")
+    async def kept_batch(batch_id: str, who: Caller = Depends(caller)):
+        return await at_home(batch_id, "GET", who, kind="batches")
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_kept_batch(batch_id: str, who: Caller = Depends(caller)):
+        return await at_home(batch_id, "POST", who, "/cancel", kind="batches")
+
+    @app.get("/v1/files")
+    async def files_everywhere(http: Request, who: Caller = Depends(caller)):
+        """The caller's files at every replica, the latest first."""
+        rows, status, body = await lists_everywhere("/v1/files", who, dict(http.query_params))
+        return JSONResponse({"object": "list", "data": rows, "has_more": False} if rows is not None else body,
+                            status_code=status)
+
+    @app.get("/v1/batches")
+    async def batches_everywhere(after: str | None = Query(None), limit: str | None = Query(None),
+                                 who: Caller = Depends(caller)):
+        """The caller's batches at every replica, the latest first, paged as one kvd pages them
+        (each replica's latest 100 at most)."""
+        rows, status, body = await lists_everywhere("/v1/batches", who, {"limit": "100"})
+        if rows is None:
+            return JSONResponse(body, status_code=status)
+        try:
+            return batch_page(rows, after, limit)
+        except ApiError as exc:
+            return error(400, str(exc), "invalid_request")
+
+    async def lists_everywhere(path: str, who: Caller, params: dict) -> tuple[list | None, int, dict]:
+        """(every replica's `data` at `path` for the caller, the latest first, 200, {}); where none
+        answered, (None, 503, the error naming each)."""
+        replicas = [r for r in service.replicas if r.role != "prefill"]
+
+        async def asked(replica):
+            try:
+                answer = await relayed_or_raise(replica, "GET", path, who, params=params)
+            except httpx.HTTPError as exc:
+                return f"{replica.name} ({described(exc)})"
+            if answer.status_code != 200:
+                return f"{replica.name} (answered {answer.status_code})"
+            return json.loads(answer.body)["data"]
+
+        answers = await asyncio.gather(*(asked(r) for r in replicas))
+        lists = [a for a in answers if isinstance(a, list)]
+        if replicas and not lists:
+            return None, 503, {"error": {"message": "no replica answered: " + "; ".join(answers),
+                                         "type": "router_error", "param": None, "code": "no_replica"}}
+        rows = sorted((row for listed in lists for row in listed), key=lambda row: (row["created_at"], row["id"]),
+                      reverse=True)
+        return rows, 200, {}
+
+    @app.post("/admin/batches/{batch_id}/cancel")
+    async def cancel_batch_everywhere(batch_id: str, _: Caller = Depends(admin)):
+        """An operator's cancel, at the replica that keeps the batch (each is asked; the others
+        answer 404)."""
+        replicas = service.replicas
+        answers = await each_replica(replicas, "POST", f"/admin/batches/{quote(batch_id, safe='')}/cancel", b"{}",
+                                     FLEET_ADMIN_TIMEOUT_S)
+        ranked = sorted(zip(replicas, answers), key=lambda pair: (pair[1][0] != 200, pair[1][0] == 404))
+        replica, (status, body) = ranked[0]
+        return JSONResponse({**body, "replica": replica.name} if status == 200 else body, status_code=status or 502)
+
     @app.api_route("/v1/conversations/{conversation_id}", methods=["GET", "POST", "DELETE"])
     async def conversation(conversation_id: str, http: Request, who: Caller = Depends(caller)):
         return await at_home(conversation_id, http.method, who, params=http.query_params,
@@ -654,8 +759,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         alone says whether the caller's tenant may read it. `below`: a path under the response's
         (its input items, its cancel), asked with the caller's query `params`. A stream (a background
         response's events again) is relayed as it comes, with no time limit between its events.
-        `kind` "conversations": a conversation's, `content` the caller's body."""
-        noun = kind[:-1]
+        `kind` "conversations": a conversation's, `content` the caller's body; "files" or "batches"
+        (/v1/files, /v1/batches) a file's or a batch's."""
+        noun = KEPT_NOUNS[kind]
         try:
             replica = await service.find_keeper(response_id, who.tenant, kind)
         except KeeperUnavailable as exc:  # none said it keeps it, and some could not say
@@ -681,11 +787,12 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
 
     async def relayed_or_raise(replica, method: str, path: str, who: Caller, params=None,
-                               content: bytes | None = None) -> Response:
-        """relayed's work; httpx.HTTPError where the replica failed to answer."""
+                               content: bytes | None = None, media: str | None = None) -> Response:
+        """relayed's work; httpx.HTTPError where the replica failed to answer. `media`: the body's
+        content type where it is not JSON (a file uploaded as multipart form data)."""
         headers = {"X-KVD-Tenant": who.tenant} if who.tenant is not None else {}
         if content:
-            headers["Content-Type"] = "application/json"
+            headers["Content-Type"] = media or "application/json"
         streamed = params is not None and str(params.get("stream", "")).lower() in ("true", "1")
         request = replica.client.build_request(
             method, path, params=params, headers=headers, content=content or None,

@@ -154,6 +154,9 @@ class ModelNotServed(LookupError):
     """The request names a model no live replica serves."""
 
 
+KEPT_NOUNS = {"responses": "response", "conversations": "conversation", "files": "file", "batches": "batch"}
+
+
 class KeeperUnavailable(LookupError):
     """The replica that alone keeps the response or conversation a request continues cannot take
     it now (draining, not answering, or it refused it): no other replica could answer it."""
@@ -721,9 +724,10 @@ class RouterService:
         replica to say it keeps it for `tenant` (`GET /v1/responses/{id}`, asked of all at once),
         then noted as its home. A router learns homes from the answers it forwards, so one
         that restarted, or the other routers of a fleet, find a conversation's home this way.
-        `kind` "conversations": a conversation's (`GET /v1/conversations/{id}`), noted in the same
-        book. None where none keeps it (for that tenant). Every replica of the fleet is asked (a
-        drained one may keep it), but those resting unanswering (`not_asked`); KeeperUnavailable
+        `kind` "conversations": a conversation's (`GET /v1/conversations/{id}`), "files" a file's,
+        "batches" a batch's, noted in the same book. None where none keeps it (for that tenant).
+        Every replica of the fleet is asked (a drained one may keep it), but those resting
+        unanswering (`not_asked`); KeeperUnavailable
         where none said it keeps it and some could not say (not asked, no answer, an error): the
         one that keeps it may be among them, and a 404 would tell the caller it is gone."""
         known = self.replica_keeping(response_id)
@@ -754,8 +758,7 @@ class RouterService:
                     self.response_homes.note(response_id, replica.name)
                     return replica
             if unsure:
-                noun = "response" if kind == "responses" else "conversation"
-                raise KeeperUnavailable(f"{noun} {response_id!r} is kept at no replica that answered; "
+                raise KeeperUnavailable(f"{KEPT_NOUNS[kind]} {response_id!r} is kept at no replica that answered; "
                                         f"{'; '.join(unsure)} could not say whether it keeps it: try again later")
             return None
         finally:

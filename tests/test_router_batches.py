@@ -1,0 +1,92 @@
+"""kvd router and `/v1/files`, `/v1/batches`: a file is kept at the replica it was uploaded to, a
+batch is made and served where its input file is (its output files are written there too), and
+every request about either goes there; lists are the caller's at every replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from .test_router import drive, replicas, router_app  # noqa: E402,F401
+
+CHAT = "/v1/chat/completions"
+
+
+def lines(n: int, system: str) -> bytes:
+    return "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": CHAT, "body": {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Q{i}?"}],
+        "max_tokens": 3, "temperature": 0, "ignore_eos": True}}) + "\n" for i in range(n)).encode()
+
+
+async def ended(client, batch_id: str) -> dict:
+    for _ in range(1200):
+        answer = await client.get(f"/v1/batches/{batch_id}")
+        if answer.json()["status"] in ("completed", "failed", "expired", "cancelled"):
+            return answer
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{batch_id} did not end")
+
+
+def test_a_batch_is_served_where_its_file_is_and_found_there_by_a_router_that_did_not_see_it(replicas):
+    _, app = router_app(replicas, "round_robin")
+    seen = {}
+
+    async def make(client):
+        uploads = [await client.post("/v1/files", files={"file": ("in.jsonl", lines(n, f"System {n}."))},
+                                     data={"purpose": "batch"}) for n in (3, 2)]
+        seen["uploads"] = uploads
+        made = await client.post("/v1/batches", json={"input_file_id": uploads[1].json()["id"], "endpoint": CHAT,
+                                                      "completion_window": "24h"})
+        seen["made"] = made
+        seen["done"] = await ended(client, made.json()["id"])
+        seen["output"] = await client.get(f"/v1/files/{seen['done'].json()['output_file_id']}/content")
+        seen["files"] = await client.get("/v1/files")
+        seen["batches"] = await client.get("/v1/batches", params={"limit": "1"})
+        seen["missing"] = await client.get("/v1/batches/batch_nope")
+        seen["no_file"] = await client.post("/v1/batches", json={"input_file_id": "file-nope", "endpoint": CHAT,
+                                                                 "completion_window": "24h"})
+        return made
+
+    drive(app, [make])
+    first, second = (u.headers["x-kvd-replica"] for u in seen["uploads"])
+    assert first != second  # (two uploads: two replicas, as conversations are spread)
+    assert seen["made"].status_code == 200 and seen["made"].headers["x-kvd-replica"] == second
+    done = seen["done"].json()
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert seen["output"].headers["x-kvd-replica"] == second  # (its id asked of each replica: only there)
+    assert [json.loads(row)["custom_id"] for row in seen["output"].text.splitlines()] == ["c0", "c1"]
+    ids = {u.json()["id"] for u in seen["uploads"]} | {done["output_file_id"]}
+    assert {f["id"] for f in seen["files"].json()["data"]} == ids  # every replica's
+    page = seen["batches"].json()
+    assert [b["id"] for b in page["data"]] == [done["id"]] and page["has_more"] is False
+    assert seen["missing"].status_code == 404 and seen["missing"].json()["error"]["message"] == (
+        "batch_id: no replica keeps batch 'batch_nope' (for this tenant)")
+    assert seen["no_file"].status_code == 404 and seen["no_file"].json()["error"]["message"] == (
+        "input_file_id: no replica keeps file 'file-nope' (for this tenant)")
+
+    _, again = router_app(replicas, "round_robin")  # a router that did not see it made (restarted, another)
+
+    async def read(client):
+        return await client.get(f"/v1/batches/{done['id']}")
+
+    async def operator(client):
+        return await client.get("/admin/batches")
+
+    async def cancel_ended(client):
+        return await client.post(f"/admin/batches/{done['id']}/cancel")
+
+    found, listed, refused = drive(again, [read, operator, cancel_ended])
+    assert found.status_code == 200 and found.headers["x-kvd-replica"] == second
+    rows = {row["replica"]: [b["id"] for b in row["report"]["batches"]] for row in listed.json()["replicas"]}
+    assert rows[second][0] == done["id"] and done["id"] not in rows[first]
+    from .test_batches_api import shown  # (kvctl batches at the router: each replica's under its name)
+    drawn = shown(listed.json(), now=done["created_at"] + 5)
+    assert f"replica {second} {done['id']} completed (tenant default, made 5s ago) 2 of 2 answered" in drawn
+    assert f"replica {first} " in drawn
+    assert refused.status_code == 409 and refused.json()["error"]["message"] == (
+        f"batch_id: batch {done['id']!r} has ended (completed); only a batch that has not can be cancelled")
