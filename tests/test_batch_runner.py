@@ -266,6 +266,9 @@ def test_after_a_restart_what_was_left_is_served_and_what_was_served_is_not_agai
     assert [p for _, p, _ in stand_in.asked[asked_before:]] == ["p2", "p3", "p4"]  # (p2's first answer: unwritten)
     assert done["status"] == "completed" and done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     assert [row["custom_id"] for row in output(again, "acme", done["output_file_id"])] == [f"r{i}" for i in range(5)]
+    assert again.get("acme", batch_id).answers == {}  # (its answers are in its file, not held in memory)
+    later = runner_for(tmp_path, stand_in)  # a start after it ended: it says what it said
+    assert later.get("acme", batch_id).public() == done
 
 
 def test_a_faulty_input_file_fails_the_batch_naming_each_line_at_fault(tmp_path):

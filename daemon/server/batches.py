@@ -71,6 +71,7 @@ class Batch:
     error_file_id: str | None = None
     total: int = 0
     ending: str | None = None  # what it ends as, once finalizing
+    final: dict | None = None  # its request_counts and usage once ended (its answers are in its files then)
     # what serving it keeps in memory (not written: the done file and the input say it again)
     lines: list[BatchLine] = field(default_factory=list, repr=False)  # in the order they are served
     answers: dict[int, dict] = field(default_factory=dict, repr=False)  # line number -> its output record
@@ -84,7 +85,7 @@ class Batch:
                 "completion_window": self.completion_window, "metadata": self.metadata, "created_at": self.created_at,
                 "expires_at": self.expires_at, "status": self.status, "stamps": self.stamps, "errors": self.errors,
                 "output_file_id": self.output_file_id, "error_file_id": self.error_file_id, "total": self.total,
-                "ending": self.ending}
+                "ending": self.ending, "final": self.final}
 
     @classmethod
     def from_record(cls, record: dict) -> "Batch":
@@ -92,6 +93,8 @@ class Batch:
 
     @property
     def counts(self) -> dict:
+        if self.final is not None:
+            return self.final["request_counts"]
         answers = list(self.answers.values())  # (a snapshot: its files are written in a worker thread)
         failed = sum(1 for a in answers if not answered_2xx(a))
         return {"total": self.total, "completed": len(answers) - failed, "failed": failed}
@@ -109,6 +112,8 @@ class Batch:
     def usage(self) -> dict:
         """Tokens of the requests answered so far, in the Batch API's names (cached_tokens: prompt
         tokens the prefix cache served, where kvd reports them to the tenant)."""
+        if self.final is not None:
+            return self.final["usage"]
         totals = dict.fromkeys(("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens"), 0)
         for answer in list(self.answers.values()):
             usage = answered_2xx(answer) and isinstance(answer["response"]["body"], dict) and \
@@ -354,10 +359,11 @@ class BatchRunner:
                 written = self.files.add(batch.tenant, f"{batch.id}_{kind}.jsonl", "batch_output", content,
                                          file_id=f"file-{stem}{'0' if kind == 'output' else '1'}")
                 setattr(batch, attribute, written.id)
+        batch.final = {"request_counts": batch.counts, "usage": batch.usage()}
         batch.status = ending
         batch.stamps[f"{ending}_at"] = int(now)
-        batch.lines, batch.retry = [], []
         self._save(batch)
+        batch.lines, batch.retry, batch.answers = [], [], {}  # (in its files now: not held in memory)
         (self.folder / f"{batch.id}.done.jsonl").unlink(missing_ok=True)
         log.info("batch %s of tenant %s %s: %d of %d requests answered 2xx", batch.id, batch.tenant, ending,
                  len(ok), batch.total)
