@@ -19,6 +19,7 @@ from .bench_kernels import kernels_command
 from .bench_replay import replay_command
 from .bench_sampler import sampler_command
 from .bench_serve import serve_command
+from .bench_batch import batch_command
 from .bench_speculation import speculation_command
 from .bench_tiers import tiers_command as tiers_bench_command
 from .bench_window import window_command
@@ -51,6 +52,7 @@ bench.command("kernels")(kernels_command)
 bench.command("serve")(serve_command)
 bench.command("tiers")(tiers_bench_command)
 bench.command("speculation")(speculation_command)
+bench.command("batch")(batch_command)
 bench.command("window")(window_command)
 bench.command("sampler")(sampler_command)
 for _command in (status_view.status, ops.prefixes, ops.pin, ops.pins, ops.unpin, ops.evict, ops.explain, ops.audit):
