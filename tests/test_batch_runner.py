@@ -307,3 +307,23 @@ def test_a_batch_that_names_no_such_endpoint_window_or_file_is_refused(tmp_path,
         runner.create(tenant, file_id if given == "FILE" else given, endpoint, window, {})
     assert str(refused.value) == message.replace("FILE", file_id)
     assert runner.batches == {}
+
+
+def test_an_expired_input_file_stays_while_its_batch_runs_and_goes_once_it_has_ended(tmp_path):
+    stand_in = StandIn()
+    runner = runner_for(tmp_path, stand_in, concurrency=1)
+    content = "".join(json.dumps(line(f"r{i}", f"p{i}")) + "\n" for i in range(2)).encode()
+    file_id = runner.files.add("acme", "in.jsonl", "batch", content, expires_in=3600).id
+    runner.files.clock = lambda: runner.files.files[file_id].created_at + 3600  # past its expiry
+    keep = lambda stored: runner.holds_input(stored.id) is not None  # noqa: E731 (as housekeeping's)
+
+    async def go():
+        stand_in.gate = asyncio.Event()
+        batch = runner.create("acme", file_id, CHAT, "24h", {})
+        assert runner.files.expire(keep) == []  # (its batch reads it)
+        stand_in.gate.set()
+        return await ended(runner, batch.id)
+
+    asyncio.run(go())
+    assert [f.id for f in runner.files.expire(keep)] == [file_id]
+    assert file_id not in runner.files.files and not (tmp_path / "files" / f"{file_id}.json").exists()

@@ -188,3 +188,39 @@ def test_an_operator_sees_every_tenant_s_batches_and_cancels_one_audited(kvd):  
     missing = call(tcp, "POST", "/admin/batches/batch_nope/cancel", headers=admin)
     assert missing.status_code == 404 and missing.json()["error"]["message"] == (
         "batch_id: no batch 'batch_nope' is kept here")
+
+
+def test_a_file_is_removed_once_past_the_expiry_its_caller_gave_and_a_batch_s_outputs_too(kvd):  # noqa: F811
+    service, unix, _ = kvd
+    expiring = {"anchor": "created_at", "seconds": 3600}
+
+    async def go():
+        client = client_for(unix)
+        kept = await client.files.create(file=("in.jsonl", jsonl([chat_line("a", SYSTEMS[0], "Hi")])),
+                                          purpose="batch", expires_after=expiring)
+        batch = await client.batches.create(input_file_id=kept.id, endpoint=CHAT, completion_window="24h",
+                                            output_expires_after={"anchor": "created_at", "seconds": 7200})
+        done = await until_ended(client, batch.id)
+        output = await client.files.retrieve(done.output_file_id)
+        refusals = []
+        for bad in (client.files.create(file=("in.jsonl", b"{}"), purpose="batch",
+                                        expires_after={"anchor": "created_at", "seconds": 10}),
+                    client.batches.create(input_file_id=kept.id, endpoint=CHAT, completion_window="24h",
+                                          output_expires_after={"anchor": "last_active_at", "seconds": 3600})):
+            try:
+                await bad
+            except Exception as exc:  # noqa: BLE001
+                refusals.append((exc.status_code, exc.body["message"]))
+        return kept, output, refusals
+
+    kept, output, refusals = asyncio.run(go())
+    assert kept.expires_at == kept.created_at + 3600 and output.expires_at == output.created_at + 7200
+    assert refusals == [
+        (400, "expires_after.seconds: must be a whole number from 3600 to 2,592,000 (1 hour to 30 days), got '10'"),
+        (400, "output_expires_after.anchor: must be 'created_at', got 'last_active_at'")]
+    service.files.clock = lambda: kept.created_at + 3600  # housekeeping's sweep, an hour on
+    service._expire_files()
+    assert set(service.files.files) == {output.id}
+    assert not service.files.data_path(kept.id).exists()
+    gone = call(unix, "GET", f"/v1/files/{kept.id}/content")
+    assert gone.status_code == 404 and gone.json()["error"]["message"] == f"file_id: no file {kept.id!r} is kept here"

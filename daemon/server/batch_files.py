@@ -18,6 +18,7 @@ from typing import Callable
 
 from kvctl.daemon.whole_file import write_json_whole, write_whole
 
+EXPIRY_SECONDS = (3600, 2_592_000)  # OpenAI's shortest and longest expires_after: 1 h, 30 d
 PURPOSES = ("batch",)  # what a caller may upload a file for
 WRITTEN_PURPOSES = ("batch_output",)  # what kvd writes files for
 
@@ -38,12 +39,34 @@ class StoredFile:
     purpose: str
     bytes: int
     created_at: int
+    expires_at: int | None = None  # removed once past (expires_after); None: kept until deleted
 
     def public(self) -> dict:
         """The file object OpenAI's API answers."""
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
                 "filename": self.filename, "purpose": self.purpose, "status": "processed", "status_details": None,
-                "expires_at": None}
+                "expires_at": self.expires_at}
+
+
+def expiry_seconds(expires_after, param: str = "expires_after") -> int | None:
+    """The seconds after its making a file is removed, from OpenAI's `{"anchor": "created_at",
+    "seconds": N}` (None: never); FileError naming the field at fault."""
+    if expires_after is None:
+        return None
+    if not isinstance(expires_after, dict) or set(expires_after) - {"anchor", "seconds"}:
+        raise FileError(f"{param}: must be an object of anchor and seconds, got {expires_after!r}", param)
+    if expires_after.get("anchor") != "created_at":
+        raise FileError(f"{param}.anchor: must be 'created_at', got {expires_after.get('anchor')!r}",
+                        f"{param}.anchor")
+    seconds, (least, most) = expires_after.get("seconds"), EXPIRY_SECONDS
+    if isinstance(seconds, int) and not isinstance(seconds, bool):
+        whole = seconds
+    else:  # (a form's field: text)
+        whole = int(seconds) if isinstance(seconds, str) and seconds.strip().isdigit() else None
+    if whole is None or not least <= whole <= most:
+        raise FileError(f"{param}.seconds: must be a whole number from {least} to {most:,} (1 hour to 30 days), "
+                        f"got {seconds!r}", f"{param}.seconds")
+    return whole
 
 
 class FileStore:
@@ -71,13 +94,17 @@ class FileStore:
     def data_path(self, file_id: str) -> Path:
         return self.folder / f"{file_id}.data"
 
-    def add(self, tenant: str, filename: str, purpose: str, content: bytes, file_id: str | None = None) -> StoredFile:
-        """Keep `content` for `tenant` (`file_id`: replace the file of that id, kvd's own outputs)."""
+    def add(self, tenant: str, filename: str, purpose: str, content: bytes, file_id: str | None = None,
+            expires_in: int | None = None) -> StoredFile:
+        """Keep `content` for `tenant` (`file_id`: replace the file of that id, kvd's own outputs;
+        `expires_in`: seconds until it is removed, expiry_seconds)."""
         if purpose not in PURPOSES + WRITTEN_PURPOSES:
             raise FileError(f"purpose: kvd keeps files for {', '.join(PURPOSES)}, got {purpose!r}", "purpose")
         self.folder.mkdir(parents=True, exist_ok=True)
         file_id = file_id or "file-" + uuid.uuid4().hex[:24]
-        stored = StoredFile(file_id, tenant, filename, purpose, len(content), int(self.clock()))
+        now = int(self.clock())
+        stored = StoredFile(file_id, tenant, filename, purpose, len(content), now,
+                            None if expires_in is None else now + expires_in)
 
         def fill(tmp: Path) -> None:
             tmp.write_bytes(content)
@@ -102,9 +129,19 @@ class FileStore:
         return sorted([f for f in list(self.files.values()) if f.tenant == tenant and purpose in (None, f.purpose)],
                       key=lambda f: (f.created_at, f.id), reverse=True)
 
+    def expire(self, keep: Callable[[StoredFile], bool]) -> list[StoredFile]:
+        """Remove the files past their expires_at but those `keep` holds (a running batch's input,
+        removed once it has ended); the files removed."""
+        now = self.clock()
+        gone = [f for f in list(self.files.values())
+                if f.expires_at is not None and f.expires_at <= now and not keep(f)]
+        for stored in gone:
+            self.delete(stored.tenant, stored.id)
+        return gone
+
     def delete(self, tenant: str, file_id: str) -> StoredFile:
         stored = self.get(tenant, file_id)
         (self.folder / f"{file_id}.json").unlink(missing_ok=True)  # unlisted first: never a record without data
         self.data_path(file_id).unlink(missing_ok=True)
-        del self.files[file_id]
+        self.files.pop(file_id, None)
         return stored

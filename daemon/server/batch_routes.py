@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from .api_errors import ApiError
-from .batch_files import FileError
+from .batch_files import FileError, expiry_seconds
 from .batches import BatchError
 from .calls import Principal
 from .chat_messages import MessagesError
@@ -30,6 +30,7 @@ class BatchBody(BaseModel):
     endpoint: Any = None
     completion_window: Any = None
     metadata: Any = None
+    output_expires_after: Any = None  # {"anchor": "created_at", "seconds": N}: its output files' expiry
 
 
 def _refused(exc: FileError) -> ApiError:
@@ -61,11 +62,16 @@ def batch_routes(service, principal, admin) -> APIRouter:
 
     # ---- files ----------------------------------------------------------------------------
     @router.post("/v1/files")
-    async def upload(file: UploadFile = File(...), purpose: str = Form(...), who: Principal = Depends(principal)):
+    async def upload(file: UploadFile = File(...), purpose: str = Form(...),
+                     anchor: str | None = Form(None, alias="expires_after[anchor]"),
+                     seconds: str | None = Form(None, alias="expires_after[seconds]"),
+                     who: Principal = Depends(principal)):
         content = await file.read()
         try:
+            expires_in = None if anchor is None and seconds is None else \
+                expiry_seconds({"anchor": anchor, "seconds": seconds})
             stored = await run_in_threadpool(files.add, who.tenant, file.filename or "upload.jsonl", purpose,
-                                             content)
+                                             content, None, expires_in)
         except FileError as exc:
             raise _refused(exc) from None
         return stored.public()
@@ -107,8 +113,9 @@ def batch_routes(service, principal, admin) -> APIRouter:
     async def create_batch(body: BatchBody, who: Principal = Depends(principal)):
         try:
             metadata = checked_metadata(body.metadata)
+            output_expiry = expiry_seconds(body.output_expires_after, "output_expires_after")
             batch = await run_in_threadpool(runner.create, who.tenant, body.input_file_id, body.endpoint,
-                                            body.completion_window, metadata)
+                                            body.completion_window, metadata, output_expiry)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except FileError as exc:

@@ -72,6 +72,7 @@ class Batch:
     total: int = 0
     ending: str | None = None  # what it ends as, once finalizing
     final: dict | None = None  # its request_counts and usage once ended (its answers are in its files then)
+    output_expiry: int | None = None  # seconds its output and error files are kept (output_expires_after)
     # what serving it keeps in memory (not written: the done file and the input say it again)
     lines: list[BatchLine] = field(default_factory=list, repr=False)  # in the order they are served
     answers: dict[int, dict] = field(default_factory=dict, repr=False)  # line number -> its output record
@@ -85,7 +86,7 @@ class Batch:
                 "completion_window": self.completion_window, "metadata": self.metadata, "created_at": self.created_at,
                 "expires_at": self.expires_at, "status": self.status, "stamps": self.stamps, "errors": self.errors,
                 "output_file_id": self.output_file_id, "error_file_id": self.error_file_id, "total": self.total,
-                "ending": self.ending, "final": self.final}
+                "ending": self.ending, "final": self.final, "output_expiry": self.output_expiry}
 
     @classmethod
     def from_record(cls, record: dict) -> "Batch":
@@ -157,9 +158,10 @@ class BatchRunner:
 
     # ---- what callers ask ----------------------------------------------------------------
     def create(self, tenant: str, input_file_id: Any, endpoint: Any, completion_window: Any,
-               metadata: dict) -> Batch:
+               metadata: dict, output_expiry: int | None = None) -> Batch:
         """A batch of `tenant`'s file, validated (a faulty file gives a `failed` batch, as OpenAI's
-        does); BatchError for a request that names no such file, endpoint or window."""
+        does); BatchError for a request that names no such file, endpoint or window.
+        `output_expiry`: seconds its output and error files are kept once written (None: until deleted)."""
         if endpoint not in ENDPOINTS:
             raise BatchError(f"endpoint: kvd serves batches of {' and '.join(ENDPOINTS)}, got {endpoint!r}",
                              "endpoint")
@@ -172,7 +174,7 @@ class BatchRunner:
                              "input is uploaded with purpose 'batch'", "input_file_id")
         now = int(self.clock())
         batch = Batch("batch_" + uuid.uuid4().hex, tenant, endpoint, source.id, completion_window, metadata, now,
-                      now + WINDOWS[completion_window])
+                      now + WINDOWS[completion_window], output_expiry=output_expiry)
         lines, faults = read_lines(self.files.content(tenant, source.id), endpoint)
         if faults:
             batch.errors, batch.status, batch.stamps["failed_at"] = faults, "failed", now
@@ -357,7 +359,8 @@ class BatchRunner:
             if kept:
                 content = "".join(json.dumps(a) + "\n" for a in kept).encode()
                 written = self.files.add(batch.tenant, f"{batch.id}_{kind}.jsonl", "batch_output", content,
-                                         file_id=f"file-{stem}{'0' if kind == 'output' else '1'}")
+                                         file_id=f"file-{stem}{'0' if kind == 'output' else '1'}",
+                                         expires_in=batch.output_expiry)
                 setattr(batch, attribute, written.id)
         batch.final = {"request_counts": batch.counts, "usage": batch.usage()}
         batch.status = ending

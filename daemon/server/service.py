@@ -80,6 +80,7 @@ log = logging.getLogger("kvd")
 
 STORE_CHECK_SECONDS = 2.0  # how often housekeeping makes sure the store's file is still there
 RESPONSES_AGE_CHECK_SECONDS = 60.0  # how often housekeeping lets go of responses past responses_max_age
+FILES_EXPIRY_CHECK_SECONDS = 60.0  # how often housekeeping removes /v1/files past their expires_at
 # why a completion is refused before the engine takes it in (kvd_requests_refused_total): an
 # operator's drain, kvd asleep, its engine stalled (engine_liveness.py)
 REFUSAL_REASONS = ("draining", "asleep", "engine_stalled")
@@ -206,7 +207,8 @@ class EngineService:
             Job("rollout stop conditions", lambda: self.rollout_check_seconds, self.rollouts.evaluate),
             Job("responses past their age", lambda: RESPONSES_AGE_CHECK_SECONDS,
                 partial(response_admin.expire, self)),
-            Job("engine summary", self.request_log.every, self.request_log.run)])
+            Job("engine summary", self.request_log.every, self.request_log.run),
+            Job("files past their expiry", lambda: FILES_EXPIRY_CHECK_SECONDS, self._expire_files)])
         self._housekeepers: list[threading.Thread] = []
         self.admin_write_slots = WriteSlots()  # the admin calls that change something, at once, on every front
         # settings a completed rollout made everyone's, not (yet) in the config: {name: {value, rollout}};
@@ -521,6 +523,13 @@ class EngineService:
         """Completions refused before the engine took them in, by reason (count_refused)."""
         with self._refused_lock:
             return dict(self.refused)
+
+    def _expire_files(self) -> None:
+        """Remove the files (/v1/files) past their expires_after, but a running batch's input."""
+        gone = self.files.expire(keep=lambda stored: self.batches.holds_input(stored.id) is not None)
+        if gone:
+            log.info("removed %d files past their expires_after: %s", len(gone),
+                     ", ".join(f"{f.id} of tenant {f.tenant}" for f in gone[:10]) + (" ..." if len(gone) > 10 else ""))
 
     def _say_engine_loop(self) -> None:
         """Log once that the engine stopped coming round its loop, and once that it came round again;
