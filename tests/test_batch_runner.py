@@ -293,7 +293,7 @@ def test_a_faulty_input_file_fails_the_batch_naming_each_line_at_fault(tmp_path)
 
 @pytest.mark.parametrize("args, message", [
     (("acme", "FILE", "/v1/embeddings", "24h"),
-     "endpoint: kvd serves batches of /v1/chat/completions and /v1/completions, got '/v1/embeddings'"),
+     "endpoint: kvd serves batches of /v1/chat/completions, /v1/completions, /v1/responses, got '/v1/embeddings'"),
     (("acme", "FILE", CHAT, "1h"), "completion_window: must be one of 24h, got '1h'"),
     (("globex", "FILE", CHAT, "24h"), "input_file_id: no file 'FILE' is kept here"),
     (("acme", "file-000000000000000000000000", CHAT, "24h"),

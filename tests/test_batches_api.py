@@ -159,7 +159,8 @@ def test_a_running_batch_s_input_cannot_be_deleted_and_bad_uploads_are_refused(k
               "cancel the batch or let it end first"),
         (400, "purpose: kvd keeps files for batch, got 'fine-tune'"),
         (404, f"input_file_id: no file {batch.input_file_id!r} is kept here"),
-        (400, "endpoint: kvd serves batches of /v1/chat/completions and /v1/completions, got '/v1/embeddings'")]
+        (400, "endpoint: kvd serves batches of /v1/chat/completions, /v1/completions, /v1/responses, got "
+              "'/v1/embeddings'")]
 
 
 def test_an_operator_sees_every_tenant_s_batches_and_cancels_one_audited(kvd):  # noqa: F811
@@ -224,3 +225,35 @@ def test_a_file_is_removed_once_past_the_expiry_its_caller_gave_and_a_batch_s_ou
     assert not service.files.data_path(kept.id).exists()
     gone = call(unix, "GET", f"/v1/files/{kept.id}/content")
     assert gone.status_code == 404 and gone.json()["error"]["message"] == f"file_id: no file {kept.id!r} is kept here"
+
+
+def test_a_batch_of_responses_gives_what_each_gets_alone_and_sums_their_usage(kvd):  # noqa: F811
+    _, unix, _ = kvd
+    rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses", "body": {
+        "instructions": SYSTEMS[i % 2], "input": f"Question {i}?", "max_output_tokens": 5, "temperature": 0,
+        "store": False}} for i in range(4)]
+
+    async def go():
+        client = client_for(unix)
+        uploaded = await client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses",
+                                            completion_window="24h")
+        done = await until_ended(client, batch.id)
+        written = [json.loads(r) for r in (await client.files.content(done.output_file_id)).text.splitlines()]
+        alone = [await client.responses.create(model="kvd-demo-llama-v1", **row["body"]) for row in rows]
+        background = jsonl([{**rows[0], "body": {**rows[0]["body"], "background": True}}])
+        faulty = await client.files.create(file=("bad.jsonl", background), purpose="batch")
+        failed = await client.batches.create(input_file_id=faulty.id, endpoint="/v1/responses",
+                                             completion_window="24h")
+        return done, written, alone, failed
+
+    done, written, alone, failed = asyncio.run(go())
+    assert done.status == "completed" and done.request_counts.completed == 4
+    assert [row["custom_id"] for row in written] == ["r0", "r1", "r2", "r3"]
+    assert [row["response"]["body"]["output"][-1]["content"][0]["text"] for row in written] == [
+        answer.output_text for answer in alone]
+    assert done.usage.input_tokens == sum(a.usage.input_tokens for a in alone)
+    assert done.usage.output_tokens == sum(a.usage.output_tokens for a in alone)
+    assert failed.status == "failed" and failed.errors.data[0].message == (
+        "line 1: body.background: a batch's requests are served while their caller is away already; leave "
+        "background out")

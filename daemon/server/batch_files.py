@@ -18,17 +18,19 @@ from typing import Callable
 
 from kvctl.daemon.whole_file import write_json_whole, write_whole
 
+from .calls import ServiceError
+
 EXPIRY_SECONDS = (3600, 2_592_000)  # OpenAI's shortest and longest expires_after: 1 h, 30 d
 PURPOSES = ("batch",)  # what a caller may upload a file for
 WRITTEN_PURPOSES = ("batch_output",)  # what kvd writes files for
 
 
-class FileError(Exception):
-    """A request about files that cannot be met: `status` (400 or 404), `param` the field at fault."""
+class FileError(ServiceError):
+    """A request about files that cannot be met: `status` (400, 404 or 409), `param` the field at
+    fault; kvd's app answers it in OpenAI's error shape, as any ServiceError."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param, self.status = param, status
+        super().__init__(status, message, param)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MOST_LINES = 50_000  # OpenAI's most requests in one batch
 ERRORS_LISTED = 20  # a file's faults named at most (the count says how many more)
 
@@ -99,16 +99,22 @@ def _problem(line: Any, endpoint: str) -> tuple[str, str, str | None] | None:
     if body.get("stream"):
         return "invalid_request", "body.stream: a batch's answers are written to its output file, not streamed; " \
                                   "leave stream out", "body.stream"
+    if body.get("background"):
+        return "invalid_request", "body.background: a batch's requests are served while their caller is away " \
+                                  "already; leave background out", "body.background"
     return None
 
 
 def prompt_order(lines: list[BatchLine]) -> list[BatchLine]:
     """`lines` in the order kvd serves them: by their prompt's text (a chat's messages, a
-    completion's prompt), so lines that begin alike are neighbours; the file's order where
-    prompts are equal."""
+    completion's prompt, a response's instructions then input), so lines that begin alike are
+    neighbours; the file's order where prompts are equal."""
     def prompt_of(line: BatchLine) -> str:
         body = line.body
-        given = body.get("messages", body.get("prompt", ""))
+        if "messages" in body or "prompt" in body:
+            given = body.get("messages", body.get("prompt"))
+        else:
+            given = [body.get("instructions") or "", body.get("input")]
         return given if isinstance(given, str) else json.dumps(given, ensure_ascii=False)
 
     return sorted(lines, key=lambda line: (prompt_of(line), line.number))

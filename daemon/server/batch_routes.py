@@ -33,11 +33,6 @@ class BatchBody(BaseModel):
     output_expires_after: Any = None  # {"anchor": "created_at", "seconds": N}: its output files' expiry
 
 
-def _refused(exc: FileError) -> ApiError:
-    kind = {404: "not_found_error", 409: "conflict_error"}.get(exc.status, "invalid_request_error")
-    return ApiError(exc.status, str(exc), type_=kind, param=exc.param)
-
-
 def list_page(rows: list[dict], after: str | None, limit: str | None) -> dict:
     """OpenAI's list of `rows` (the latest first): those after the id `after`, `limit` of them."""
     least, most, default = LIST_LIMIT
@@ -67,13 +62,10 @@ def batch_routes(service, principal, admin) -> APIRouter:
                      seconds: str | None = Form(None, alias="expires_after[seconds]"),
                      who: Principal = Depends(principal)):
         content = await file.read()
-        try:
-            expires_in = None if anchor is None and seconds is None else \
-                expiry_seconds({"anchor": anchor, "seconds": seconds})
-            stored = await run_in_threadpool(files.add, who.tenant, file.filename or "upload.jsonl", purpose,
-                                             content, None, expires_in)
-        except FileError as exc:
-            raise _refused(exc) from None
+        expires_in = None if anchor is None and seconds is None else \
+            expiry_seconds({"anchor": anchor, "seconds": seconds})
+        stored = await run_in_threadpool(files.add, who.tenant, file.filename or "upload.jsonl", purpose, content,
+                                         None, expires_in)
         return stored.public()
 
     @router.get("/v1/files")
@@ -82,30 +74,21 @@ def batch_routes(service, principal, admin) -> APIRouter:
 
     @router.get("/v1/files/{file_id}")
     async def get_file(file_id: str, who: Principal = Depends(principal)):
-        try:
-            return files.get(who.tenant, file_id).public()
-        except FileError as exc:
-            raise _refused(exc) from None
+        return files.get(who.tenant, file_id).public()
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str, who: Principal = Depends(principal)):
-        try:
-            content = await run_in_threadpool(files.content, who.tenant, file_id)
-        except FileError as exc:
-            raise _refused(exc) from None
+        content = await run_in_threadpool(files.content, who.tenant, file_id)
         return Response(content, media_type="application/octet-stream")
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str, who: Principal = Depends(principal)):
-        try:
-            files.get(who.tenant, file_id)
-            reading = runner.holds_input(file_id)
-            if reading is not None:
-                raise FileError(f"file_id: file {file_id!r} is the input of batch {reading.id}, which is "
-                                f"{reading.status}; cancel the batch or let it end first", "file_id", 409)
-            files.delete(who.tenant, file_id)
-        except FileError as exc:
-            raise _refused(exc) from None
+        files.get(who.tenant, file_id)
+        reading = runner.holds_input(file_id)
+        if reading is not None:
+            raise FileError(f"file_id: file {file_id!r} is the input of batch {reading.id}, which is "
+                            f"{reading.status}; cancel the batch or let it end first", "file_id", 409)
+        files.delete(who.tenant, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     # ---- batches --------------------------------------------------------------------------
@@ -118,8 +101,6 @@ def batch_routes(service, principal, admin) -> APIRouter:
                                             body.completion_window, metadata, output_expiry)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        except FileError as exc:
-            raise _refused(exc) from None
         runner.start()  # (on the event loop: the lines are served from it)
         return batch.public()
 
@@ -130,17 +111,11 @@ def batch_routes(service, principal, admin) -> APIRouter:
 
     @router.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str, who: Principal = Depends(principal)):
-        try:
-            return runner.get(who.tenant, batch_id).public()
-        except BatchError as exc:
-            raise _refused(exc) from None
+        return runner.get(who.tenant, batch_id).public()
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, who: Principal = Depends(principal)):
-        try:
-            return runner.cancel(who.tenant, batch_id).public()
-        except BatchError as exc:
-            raise _refused(exc) from None
+        return runner.cancel(who.tenant, batch_id).public()
 
     # ---- an operator's view ---------------------------------------------------------------
     @router.get("/admin/batches")
@@ -159,7 +134,7 @@ def batch_routes(service, principal, admin) -> APIRouter:
         except BatchError as exc:
             await run_in_threadpool(service.store.audit, actor=who.actor, tenant=who.tenant, action="batch_cancel",
                                     target=batch_id, result="refused", detail={"error": str(exc)})
-            raise _refused(exc) from None
+            raise
         await run_in_threadpool(service.store.audit, actor=who.actor, tenant=batch.tenant, action="batch_cancel",
                                 target=batch_id, result="ok", detail={"counts": answer["request_counts"]})
         return answer

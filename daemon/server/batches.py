@@ -121,10 +121,11 @@ class Batch:
                 answer["response"]["body"].get("usage")
             if not isinstance(usage, dict):
                 continue
-            totals["prompt_tokens"] += usage.get("prompt_tokens") or 0
-            totals["completion_tokens"] += usage.get("completion_tokens") or 0
-            totals["cached_tokens"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            totals["reasoning_tokens"] += (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+            given, made = ("input", "output") if "input_tokens" in usage else ("prompt", "completion")  # (a response's)
+            totals["prompt_tokens"] += usage.get(f"{given}_tokens") or 0
+            totals["completion_tokens"] += usage.get(f"{made}_tokens") or 0
+            totals["cached_tokens"] += (usage.get(f"{given}_tokens_details") or {}).get("cached_tokens") or 0
+            totals["reasoning_tokens"] += (usage.get(f"{made}_tokens_details") or {}).get("reasoning_tokens") or 0
         return {"input_tokens": totals["prompt_tokens"], "output_tokens": totals["completion_tokens"],
                 "total_tokens": totals["prompt_tokens"] + totals["completion_tokens"],
                 "input_tokens_details": {"cached_tokens": totals["cached_tokens"]},
@@ -163,7 +164,7 @@ class BatchRunner:
         does); BatchError for a request that names no such file, endpoint or window.
         `output_expiry`: seconds its output and error files are kept once written (None: until deleted)."""
         if endpoint not in ENDPOINTS:
-            raise BatchError(f"endpoint: kvd serves batches of {' and '.join(ENDPOINTS)}, got {endpoint!r}",
+            raise BatchError(f"endpoint: kvd serves batches of {', '.join(ENDPOINTS)}, got {endpoint!r}",
                              "endpoint")
         if completion_window not in WINDOWS:
             raise BatchError(f"completion_window: must be one of {', '.join(WINDOWS)}, got {completion_window!r}",
