@@ -13,7 +13,7 @@ from rich.console import Group
 from rich.text import Text
 
 from .command_kit import client_for, emit, show_or_watch
-from .tables import count, duration
+from .tables import by_replica, count, duration
 
 batches_app = typer.Typer(no_args_is_help=False)
 
@@ -38,10 +38,7 @@ def batches(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
 def batches_view(d: dict, now: float | None = None) -> Group:
     """Each batch in two lines, and kvd's line under them; at kvd router, each replica's."""
     if "replicas" in d:
-        return Group(*(part for row in d["replicas"] for part in (
-            [Text(f"replica {row['replica']}", style="bold"), batches_view(row["report"], now), Text("")]
-            if "report" in row else [Text(f"replica {row['replica']}: no answer ({row.get('error')})",
-                                          style="yellow"), Text("")])))
+        return by_replica(d["replicas"], lambda report: batches_view(report, now))
     now = time.time() if now is None else now
     parts: list = []
     for row in d["batches"]:  # (two lines a batch: its id whole, which `cancel` takes, on a narrow terminal too)

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from .command_kit import client_for, emit, show_or_watch
 from .errors import UserError
-from .tables import compact_table, count, duration, size
+from .tables import by_replica, compact_table, count, duration, size
 
 responses_app = typer.Typer(no_args_is_help=False)
 
@@ -43,10 +43,7 @@ def responses(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", h
 def responses_view(d: dict, now: float | None = None) -> Group:
     """The table of tenants and the store's line under it; at kvd router, each replica's."""
     if "replicas" in d:
-        return Group(*(part for row in d["replicas"] for part in (
-            [Text(f"replica {row['replica']}", style="bold"), responses_view(row["report"], now), Text("")]
-            if "report" in row else [Text(f"replica {row['replica']}: no answer ({row.get('error')})",
-                                          style="yellow"), Text("")])))
+        return by_replica(d["replicas"], lambda report: responses_view(report, now))
     now = time.time() if now is None else now
     parts: list = []
     if d["tenants"]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from kvctl.daemon.server.byte_sizes import format_bytes as size  # noqa: F401 (kvctl's tables use it)
 from kvctl.daemon.server.durations import format_duration as duration  # noqa: F401 (kvctl's tables use it)
@@ -65,3 +67,15 @@ def seconds(value: float | None) -> str:
 def when(at: float | None) -> str:
     """A Unix time as local date and time to the second: 2026-11-30 04:17:44; '-' when unknown."""
     return "-" if at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+
+
+def by_replica(rows: list[dict], view) -> Group:
+    """kvd router's answer of each replica's report (`{"replicas": [{"replica", "report" or
+    "error"}]}`): each under its name, as `view(report)` draws it; one that did not answer says why."""
+    parts: list = []
+    for row in rows:
+        if "report" in row:
+            parts += [Text(f"replica {row['replica']}", style="bold"), view(row["report"]), Text("")]
+        else:
+            parts += [Text(f"replica {row['replica']}: no answer ({row.get('error')})", style="yellow"), Text("")]
+    return Group(*parts)

@@ -13,7 +13,7 @@ from rich.text import Text
 from .errors import UserError
 from .command_kit import client_for, emit, show_or_watch
 from .sizes import positive_size
-from .tables import compact_table, seconds, size
+from .tables import by_replica, compact_table, seconds, size
 
 
 def render_tiers(d: dict, console: Console | None = None) -> None:
@@ -24,7 +24,7 @@ def tiers_view(d: dict) -> Group:
     """The tiers table and the lines under it, as one renderable (`kvctl tiers [--watch]`); at
     kvd router, each replica's under its name."""
     if "replicas" in d:
-        return Group(*(part for row in d["replicas"] for part in _replica_tiers(row)))
+        return by_replica(d["replicas"], tiers_view)
     parts: list = []
 
     def say(line: str) -> None:  # plain text, never markup: a line may quote a path or a reason
@@ -101,12 +101,6 @@ def tiers_view(d: dict) -> Group:
     if d.get("verify"):
         say(verify_line(d["verify"]))
     return Group(*parts)
-
-
-def _replica_tiers(row: dict) -> list:
-    if "report" not in row:
-        return [Text(f"replica {row['replica']}: no answer ({row.get('error')})", style="yellow"), Text("")]
-    return [Text(f"replica {row['replica']}", style="bold"), tiers_view(row["report"]), Text("")]
 
 
 def filesystem_line(disk: dict) -> str | None:
