@@ -40,6 +40,7 @@ WINDOWS = {"24h": 86_400}  # OpenAI's only completion window
 RETRY_S = 1.0  # a line answered 429 or 503 is served again after this
 ENDED = ("completed", "failed", "expired", "cancelled")
 STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *ENDED)
+ACTIVE = ("in_progress", "finalizing", "cancelling")  # what the supervisor serves or ends
 STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
 
@@ -250,6 +251,8 @@ class BatchRunner:
         async with httpx.AsyncClient(transport=transport, base_url="http://kvd-batch", timeout=None) as client:
             while True:
                 await self._settle()
+                if not serving and not any(b.status in ACTIVE for b in list(self.batches.values())):
+                    return  # (nothing to serve: the next batch, or cancel, starts another)
                 while len(serving) < max(1, self.concurrency()) and not self.stopping:
                     taken = self._next()
                     if taken is None:
