@@ -16,9 +16,8 @@ from .batch_files import FileError, expiry_seconds
 from .batches import BatchError
 from .calls import Principal
 from .chat_messages import MessagesError
+from .list_pages import input_items_page
 from .responses_input import checked_metadata
-
-LIST_LIMIT = (1, 100, 20)  # OpenAI's least, most and default batches a page
 
 
 class BatchBody(BaseModel):
@@ -34,21 +33,12 @@ class BatchBody(BaseModel):
 
 
 def list_page(rows: list[dict], after: str | None, limit: str | None) -> dict:
-    """OpenAI's list of `rows` (the latest first): those after the id `after`, `limit` of them."""
-    least, most, default = LIST_LIMIT
+    """OpenAI's list of `rows` (the latest first): `limit` of them after the id `after`, paged as
+    a response's input items are (list_pages.py)."""
     try:
-        count = default if limit is None else int(limit)
-    except ValueError:
-        count = None
-    if count is None or not least <= count <= most:
-        raise ApiError(400, f"limit: must be a whole number from {least} to {most}, got {limit!r}", param="limit")
-    ids = [row["id"] for row in rows]
-    if after is not None and after not in ids:
-        raise ApiError(400, f"after: no {after!r} in this list", param="after")
-    start = 0 if after is None else ids.index(after) + 1
-    page = rows[start:start + count]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + count < len(rows)}
+        return input_items_page(rows, after, None, limit, "asc", whose="tenant")
+    except MessagesError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
 
 
 def batch_routes(service, principal, admin) -> APIRouter:

@@ -727,9 +727,9 @@ class RouterService:
         `kind` "conversations": a conversation's (`GET /v1/conversations/{id}`), "files" a file's,
         "batches" a batch's, noted in the same book. None where none keeps it (for that tenant).
         Every replica of the fleet is asked (a drained one may keep it), but those resting
-        unanswering (`not_asked`); KeeperUnavailable
-        where none said it keeps it and some could not say (not asked, no answer, an error): the
-        one that keeps it may be among them, and a 404 would tell the caller it is gone."""
+        unanswering (`not_asked`); KeeperUnavailable where none said it keeps it and some could
+        not say (not asked, no answer, an error): the one that keeps it may be among them, and a
+        404 would tell the caller it is gone."""
         known = self.replica_keeping(response_id)
         if known is not None or not isinstance(response_id, str):
             return known
