@@ -132,6 +132,14 @@ def serve(
         None, help="Per-tenant queue wait limits in seconds overriding --max-queue-wait, e.g. batch=600,chat=10 "
                    "(0: none for that tenant). Live on a reload."),
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
+    max_file_bytes: Optional[str] = typer.Option(
+        None, help="Largest file POST /v1/files takes, e.g. 200MiB (413 above; default 200MiB). Live on a reload."),
+    files_store_bytes: Optional[str] = typer.Option(
+        None, help="Bytes /v1/files keeps, every tenant's files together, e.g. 8GiB (default); an upload past them "
+                   "is refused (507), nothing kept is removed. Live on a reload."),
+    tenant_files_bytes: Optional[str] = typer.Option(
+        None, help="Per-tenant budgets of --files-store-bytes, e.g. acme=20GiB,*=1GiB (* each tenant not named); "
+                   "an upload past its tenant's is refused (400). Live on a reload."),
     batch_concurrency: Optional[int] = typer.Option(
         None, help="Requests of /v1/batches served at once, across every tenant's batches (each batch's in turn; "
                    "flex under a priority queue). Live on a reload (default 8)."),
@@ -285,7 +293,8 @@ def serve(
                    max_queue=max_queue, max_queue_wait=max_queue_wait, max_tenant_requests=max_tenant_requests,
                    tenant_request_limits=tenant_request_limits, tenant_queue_waits=tenant_queue_waits,
                    max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
-                   batch_concurrency=batch_concurrency,
+                   batch_concurrency=batch_concurrency, max_file_bytes=max_file_bytes,
+                   files_store_bytes=files_store_bytes, tenant_files_bytes=tenant_files_bytes,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
                    conversations_store_bytes=conversations_store_bytes, truncation_headroom=truncation_headroom,
                    reply_ids_bytes=reply_ids_bytes,
@@ -333,6 +342,7 @@ SERVE_HELP_PANELS = {
                          "socket_path", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
                          "trusted_proxy", "max_request_bytes",
                          "responses_store_bytes", "responses_store_file", "responses_max_age", "batch_concurrency",
+                         "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
                          "conversations_store_bytes", "reply_ids_bytes", "truncation_headroom",
                          "shutdown_timeout", "engine_stall_exit_seconds", "gc_freeze", "gc_warn_seconds",
                          "log_level", "log_format",

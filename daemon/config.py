@@ -21,7 +21,7 @@ from kvctl.daemon.cache.hit_curve import MAX_ALONE
 from kvctl.daemon.default_paths import default_socket, default_state_dir
 from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TENANTS
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
-from kvctl.daemon.server.byte_sizes import size_in_bytes
+from kvctl.daemon.server.byte_sizes import SIZE_EXPECTED, size_in_bytes
 from kvctl.daemon.server.durations import parse_duration
 from kvctl.daemon.server.engine_liveness import STALLED_AFTER_S
 from kvctl.daemon.server.otlp_export import check_endpoint, traces_protocol
@@ -128,6 +128,17 @@ def _limit(tenant: str, value: Any) -> int:
     return number
 
 
+def _bytes_of(tenant: str, value: Any) -> int:
+    """A tenant's budget of bytes (tenant_files_bytes); ValueError names the tenant and the value."""
+    try:
+        amount = size_in_bytes(value)
+    except ValueError:
+        raise ValueError(f"bytes of {tenant!r} {SIZE_EXPECTED}, got {value!r}") from None
+    if amount < 0:
+        raise ValueError(f"bytes of {tenant!r} must be >= 0, got {value!r}")
+    return amount
+
+
 def _retention_of(tenant: str, value: Any) -> str:
     setting = str(value).strip().lower()
     if setting not in RETENTION_SETTINGS:
@@ -177,6 +188,7 @@ CACHED_TOKEN_REPORTS = ("all", "admin", "none")  # report_cached_tokens: who see
 # prompt_cache_retention: whether a request's "24h" writes its blocks to the persistent tiers as it ends;
 # predicted_outputs: whether a chat's prediction is drafted
 RETENTION_SETTINGS = ("honour", "ignore")
+MAX_FILE_BYTES = 200 * 2**20  # max_file_bytes' default: the largest input file of OpenAI's Batch API
 
 
 @dataclass(frozen=True)
@@ -248,6 +260,14 @@ class KvdConfig:
     # kvd exits (75) for its service manager to start it again (engine_liveness.py); 0: never
     engine_stall_exit_seconds: float = 300.0
     max_request_bytes: int = 32 * 2**20  # a bigger request body is refused (413) before it is read whole
+    # the largest file POST /v1/files takes, its body's cap in place of max_request_bytes
+    max_file_bytes: int = MAX_FILE_BYTES
+    # the bytes /v1/files keeps in state_dir/files, every tenant's together (batch_files.py): an upload past
+    # them is refused (507), nothing kept is removed for room; a batch's output is written whatever its size
+    files_store_bytes: int = 8 * 2**30
+    # one tenant's share of those: "acme=20GiB,*=1GiB" (YAML: a mapping; * each tenant not named); an
+    # upload past its tenant's is refused (400); none: files_store_bytes alone bounds each tenant's files
+    tenant_files_bytes: tuple[tuple[str, int], ...] = ()
     # the responses /v1/responses keeps for previous_response_id, in memory (response_store.py); 0: none
     responses_store_bytes: int = 64 * 2**20
     # requests of /v1/batches served at once, across every tenant's batches (each batch's in turn)
@@ -394,7 +414,8 @@ def name_list(value: Any) -> tuple[str, ...]:
 
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": size_in_bytes,
-    "max_request_bytes": size_in_bytes, "responses_store_bytes": size_in_bytes, "responses_max_age": parse_duration,
+    "max_request_bytes": size_in_bytes, "max_file_bytes": size_in_bytes, "files_store_bytes": size_in_bytes,
+    "responses_store_bytes": size_in_bytes, "responses_max_age": parse_duration,
     "conversations_store_bytes": size_in_bytes,
     "reply_ids_bytes": size_in_bytes,
     "truncation_headroom": finite_number,
@@ -415,6 +436,7 @@ _PARSERS = {
     "chat_template_kwargs": template_kwargs, "speculative_config": speculative_config,
     "tenant_priorities": lambda v: parse_tenant_map(v, priority_of, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
+    "tenant_files_bytes": lambda v: parse_tenant_map(v, _bytes_of, "bytes", others=True, noun="budget"),
     "tenant_queue_waits": lambda v: parse_tenant_map(v, queue_wait_of, "seconds", noun="queue wait"),
     "tenant_prompt_cache_retention": lambda v: parse_tenant_map(v, _retention_of, "setting"),
     "lora_modules": parse_lora_modules,
@@ -440,8 +462,10 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 0")
     if name == "trace_block_tokens" and value not in TRACE_BLOCK_SIZES:
         raise ValueError(f"must be one of {', '.join(map(str, TRACE_BLOCK_SIZES))}")
-    if name == "max_request_bytes" and value < 4096:
+    if name in ("max_request_bytes", "max_file_bytes") and value < 4096:
         raise ValueError("must be at least 4KiB")
+    if name == "files_store_bytes" and value < 0:
+        raise ValueError("must be >= 0 (0: no upload is kept)")
     if name == "shutdown_timeout" and value <= 0:
         raise ValueError("must be > 0")
     if name == "engine_stall_exit_seconds" and value != 0 and not value >= STALLED_AFTER_S:

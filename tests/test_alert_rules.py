@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 37
+    assert len(names) == len(set(names)) == 38
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -252,6 +252,20 @@ def test_the_responses_file_rule_fires_when_a_kept_response_is_not_written(tmp_p
         assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
             "KvdResponsesFileWritesFailing": series(KVD, 1.0)}
         file.db.execute("PRAGMA query_only = OFF")
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_files_rule_fires_once_the_files_kept_pass_nine_tenths_of_files_store_bytes(tmp_path):
+    service = start_service(tmp_path, files_store_bytes=10_000)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        upload = {"data": {"purpose": "batch"}}
+        assert call(app, "POST", "/v1/files", files={"file": ("a.jsonl", b"a" * 9_000)}, **upload).status_code == 200
+        assert fired(Scrapes(scrape(app) | up(1, KVD), scrape(app) | up(1, KVD))) == {}
+        assert call(app, "POST", "/v1/files", files={"file": ("b.jsonl", b"b" * 1)}, **upload).status_code == 200
+        assert fired(Scrapes(scrape(app) | up(1, KVD), scrape(app) | up(1, KVD))) == {
+            "KvdFilesStoreNearlyFull": series(KVD, 0.9001)}
     finally:
         service.shutdown(deadline=2)
 

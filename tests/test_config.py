@@ -18,6 +18,11 @@ def test_precedence_flag_env_file_default(tmp_path):
     assert config.max_running == 32  # default
     assert config.max_request_bytes == 32 * 2**20 and resolve({}, {"KVD_MAX_REQUEST_BYTES": "8MiB"}).max_request_bytes == 8 * 2**20
     assert resolve({}, env, path).block_size == 32
+    files = tmp_path / "files.yaml"
+    files.write_text('tenant_files_bytes: {acme: 20GiB, "*": 1GiB}\nfiles_store_bytes: 64GiB\n')
+    config = resolve({}, {}, files)
+    assert (config.tenant_files_bytes, config.files_store_bytes, config.max_file_bytes) == (
+        (("*", 2**30), ("acme", 20 * 2**30)), 64 * 2**30, 200 * 2**20)
     assert resolve({}, {}, path).block_size == 64
 
 
@@ -44,6 +49,14 @@ def test_precedence_flag_env_file_default(tmp_path):
     ({}, {"KVD_MAX_LORAS": "0"}, "max_loras: invalid value '0' from KVD_MAX_LORAS: must be >= 1"),
     ({"max_request_bytes": "1KiB"}, {}, "max_request_bytes: invalid value '1KiB' from --max-request-bytes: "
                                         "must be at least 4KiB"),
+    ({"max_file_bytes": "2KiB"}, {}, "max_file_bytes: invalid value '2KiB' from --max-file-bytes: must be at least "
+                                     "4KiB"),
+    ({}, {"KVD_FILES_STORE_BYTES": "-1"}, "files_store_bytes: invalid value '-1' from KVD_FILES_STORE_BYTES: must be "
+                                         ">= 0 (0: no upload is kept)"),
+    ({"tenant_files_bytes": "acme=lots"}, {}, "tenant_files_bytes: invalid value 'acme=lots' from "
+     "--tenant-files-bytes: bytes of 'acme' must be a size in bytes: a number with an optional unit"),
+    ({"tenant_files_bytes": "acme=1GiB,acme=2GiB"}, {}, "tenant_files_bytes: invalid value 'acme=1GiB,acme=2GiB' "
+     "from --tenant-files-bytes: tenant 'acme' is given twice"),
     ({}, {"KVD_QUICK_PREFILL_TOKENS": "-8"},
      "quick_prefill_tokens: invalid value '-8' from KVD_QUICK_PREFILL_TOKENS: must be a whole number >= 0 or auto"),
     ({"engine_stall_exit_seconds": 30}, {}, "engine_stall_exit_seconds: invalid value 30 from "

@@ -80,7 +80,13 @@ def test_a_batch_is_served_where_its_file_is_and_found_there_by_a_router_that_di
     async def cancel_ended(client):
         return await client.post(f"/admin/batches/{done['id']}/cancel")
 
-    found, listed, refused = drive(again, [read, operator, cancel_ended])
+    async def files_seen(client):
+        return await client.get("/admin/files")
+
+    async def delete_first(client):  # (the first upload, kept at the first replica)
+        return await client.delete(f"/admin/files/{seen['uploads'][0].json()['id']}")
+
+    found, listed, refused, files, deleted = drive(again, [read, operator, cancel_ended, files_seen, delete_first])
     assert found.status_code == 200 and found.headers["x-kvd-replica"] == second
     rows = {row["replica"]: [b["id"] for b in row["report"]["batches"]] for row in listed.json()["replicas"]}
     assert rows[second][0] == done["id"] and done["id"] not in rows[first]
@@ -90,3 +96,9 @@ def test_a_batch_is_served_where_its_file_is_and_found_there_by_a_router_that_di
     assert f"replica {first} " in drawn
     assert refused.status_code == 409 and refused.json()["error"]["message"] == (
         f"batch_id: batch {done['id']!r} has ended (completed); only a batch that has not can be cancelled")
+    kept = {row["replica"]: {f["id"] for f in row["report"]["files"]} for row in files.json()["replicas"]}
+    assert kept == {first: {seen["uploads"][0].json()["id"]},
+                    second: {seen["uploads"][1].json()["id"], done["output_file_id"]}}
+    from .test_file_budgets import shown as files_shown  # (kvctl files at the router: each replica's)
+    assert f"replica {first} {seen['uploads'][0].json()['id']} batch" in files_shown(files.json(), done["created_at"])
+    assert deleted.status_code == 200 and deleted.json()["replica"] == first and deleted.json()["tenant"] == "default"

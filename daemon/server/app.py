@@ -141,7 +141,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     app = FastAPI(title="kvd", version="0.1.0",
                   description="KV cache daemon: OpenAI-compatible completions and the kvctl admin API.")
     app.router.route_class = StrictJSONRoute  # NaN and Infinity are not JSON: refused (strict_json.py)
-    app.add_middleware(BodyLimit, limit=lambda: service.config.max_request_bytes)
+    app.add_middleware(BodyLimit, limit=lambda: service.config.max_request_bytes,
+                       file_limit=lambda: service.config.max_file_bytes)
     app.add_middleware(AdminWriteSlots, slots=service.admin_write_slots)  # outermost: waits before its body is read
 
     # error answers echo a gateway's X-Request-Id as answers do (a malformed one is not echoed: it is the error)

@@ -5,32 +5,57 @@ Each file is two files in `state_dir/files`: `<id>.data` (the bytes) and `<id>.j
 is, its name, purpose, size and time), each written whole (whole_file.py) with the data first, so
 a crash leaves a file listed whole or not at all (a data file with no record beside it is
 removed at the next start). Each tenant lists, reads and deletes its own files only.
+
+What they may take (`FileBudgets`, read anew at each upload so a reload applies at once):
+`files_store_bytes` for every tenant's files together, and `tenant_files_bytes` for one
+tenant's. An upload that would go over either is refused whole, before a byte of it is kept;
+nothing kept is ever removed for room. What kvd writes (a batch's output) is always kept, and
+counted, so a tenant whose outputs took it to its budget uploads again once it deletes some.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from kvctl.daemon.whole_file import write_json_whole, write_whole
 
 from .calls import ServiceError
 
 EXPIRY_SECONDS = (3600, 2_592_000)  # OpenAI's shortest and longest expires_after: 1 h, 30 d
+FREE_SOME = "delete files no longer needed (DELETE /v1/files/ID), or ask kvd's operator for more room"
 PURPOSES = ("batch",)  # what a caller may upload a file for
 WRITTEN_PURPOSES = ("batch_output",)  # what kvd writes files for
 
 
 class FileError(ServiceError):
-    """A request about files that cannot be met: `status` (400, 404 or 409), `param` the field at
-    fault; kvd's app answers it in OpenAI's error shape, as any ServiceError."""
+    """A request about files that cannot be met: `status` (400, 404, 409, or 507 where kvd's store
+    of files has no room), `param` the field at fault, `code` the error's code where it has one;
+    kvd's app answers it in OpenAI's error shape, as any ServiceError."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(status, message, param)
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(status, message, param, code)
+
+
+@dataclass(frozen=True)
+class FileBudgets:
+    """The bytes files may take: `store` every tenant's together (files_store_bytes), `tenants`
+    one tenant's where tenant_files_bytes names it (`*`: each tenant it does not name)."""
+
+    store: int
+    tenants: tuple[tuple[str, int], ...] = ()
+
+    def of(self, tenant: str) -> int | None:
+        """`tenant`'s own budget (None: only `store` bounds its files)."""
+        named = dict(self.tenants)
+        return named.get(tenant, named.get("*"))
 
 
 @dataclass(frozen=True)
@@ -74,10 +99,15 @@ def expiry_seconds(expires_after, param: str = "expires_after") -> int | None:
 class FileStore:
     """The files of every tenant, kept in `folder` across restarts."""
 
-    def __init__(self, folder: str | Path, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, folder: str | Path, clock: Callable[[], float] = time.time,
+                 budgets: Callable[[], FileBudgets] | None = None) -> None:
         self.folder = Path(folder)
         self.clock = clock
+        self.budgets = budgets or (lambda: FileBudgets(store=2**63))
         self.files: dict[str, StoredFile] = {}
+        self.lock = threading.Lock()  # (a budget's check and the bytes it lets in, one upload at a time)
+        self.reserved: Counter[str] = Counter()  # bytes of uploads being written, by tenant
+        self.refused: Counter[str] = Counter()  # uploads refused since kvd started: "tenant" or "store" budget
         if self.folder.is_dir():
             self._load()
 
@@ -96,25 +126,93 @@ class FileStore:
     def data_path(self, file_id: str) -> Path:
         return self.folder / f"{file_id}.data"
 
-    def add(self, tenant: str, filename: str, purpose: str, content: bytes, file_id: str | None = None,
+    def held(self, tenant: str | None = None) -> int:
+        """Bytes `tenant`'s files take (None: every tenant's), uploads being written included."""
+        kept = sum(f.bytes for f in list(self.files.values()) if tenant in (None, f.tenant))
+        return kept + (sum(self.reserved.values()) if tenant is None else self.reserved[tenant])
+
+    def over_budget(self, tenant: str, size: int) -> FileError | None:
+        """Why `size` more bytes of `tenant`'s would not fit (None: they would): a 400 naming its
+        tenant_files_bytes, or a 507 where every tenant's together would pass files_store_bytes
+        (which does not say what the others keep)."""
+        budgets = self.budgets()
+        own, held = budgets.of(tenant), self.held(tenant)
+        if own is not None and held + size > own:
+            return FileError(f"file: {size:,} bytes more would take tenant {tenant}'s files to {held + size:,} "
+                             f"bytes, over its tenant_files_bytes ({own:,} bytes); {FREE_SOME}", "file",
+                             code="files_budget_exceeded")
+        if self.held() + size > budgets.store:
+            return FileError(f"file: kvd's store of files has no room for {size:,} bytes more (files_store_bytes); "
+                             f"{FREE_SOME}", "file", 507, "file_storage_full")
+        return None
+
+    def no_room_for_output(self, tenant: str) -> FileError | None:
+        """Why a new batch of `tenant`'s would have no room for its output (None: it has some): its
+        files at its tenant_files_bytes, or every tenant's at files_store_bytes. (A batch's output
+        is written whatever its size: a batch started with room is never refused its answers.)"""
+        budgets = self.budgets()
+        own = budgets.of(tenant)
+        if own is not None and self.held(tenant) >= own:
+            return FileError(f"input_file_id: tenant {tenant}'s files take {self.held(tenant):,} bytes, its "
+                             f"tenant_files_bytes ({own:,} bytes): a batch's output would have no room; {FREE_SOME}",
+                             "input_file_id", code="files_budget_exceeded")
+        if self.held() >= budgets.store:
+            return FileError(f"input_file_id: kvd's store of files is full (files_store_bytes): a batch's output "
+                             f"would have no room; {FREE_SOME}", "input_file_id", 507, "file_storage_full")
+        return None
+
+    def add(self, tenant: str, filename: str, purpose: str, content: bytes | BinaryIO, file_id: str | None = None,
             expires_in: int | None = None) -> StoredFile:
-        """Keep `content` for `tenant` (`file_id`: replace the file of that id, kvd's own outputs;
-        `expires_in`: seconds until it is removed, expiry_seconds)."""
+        """Keep `content` (bytes, or a file read from its start) for `tenant` (`file_id`: replace
+        the file of that id, kvd's own outputs; `expires_in`: seconds until it is removed,
+        expiry_seconds). An upload (a purpose callers give) over a budget is refused: FileError
+        (over_budget), nothing kept; what kvd writes is kept whatever its budgets."""
         if purpose not in PURPOSES + WRITTEN_PURPOSES:
             raise FileError(f"purpose: kvd keeps files for {', '.join(PURPOSES)}, got {purpose!r}", "purpose")
+        size = len(content) if isinstance(content, bytes) else content.seek(0, 2)
+        with self.lock:
+            refusal = self.over_budget(tenant, size) if purpose in PURPOSES else None
+            if refusal is not None:
+                self.refused["tenant" if refusal.status == 400 else "store"] += 1
+                raise refusal
+            self.reserved[tenant] += size
+        try:
+            return self._write(tenant, filename, purpose, content, size, file_id, expires_in)
+        finally:
+            with self.lock:
+                self.reserved[tenant] -= size
+                if not self.reserved[tenant]:
+                    del self.reserved[tenant]
+
+    def _write(self, tenant: str, filename: str, purpose: str, content: bytes | BinaryIO, size: int,
+               file_id: str | None, expires_in: int | None) -> StoredFile:
         self.folder.mkdir(parents=True, exist_ok=True)
         file_id = file_id or "file-" + uuid.uuid4().hex[:24]
         now = int(self.clock())
-        stored = StoredFile(file_id, tenant, filename, purpose, len(content), now,
+        stored = StoredFile(file_id, tenant, filename, purpose, size, now,
                             None if expires_in is None else now + expires_in)
 
         def fill(tmp: Path) -> None:
-            tmp.write_bytes(content)
+            if isinstance(content, bytes):
+                tmp.write_bytes(content)
+                return
+            content.seek(0)
+            with open(tmp, "wb") as out:
+                shutil.copyfileobj(content, out, 2**20)  # (a MiB at a time: an upload is never held whole)
 
         write_whole(self.data_path(file_id), fill)
         write_json_whole(self.folder / f"{file_id}.json", asdict(stored))
         self.files[file_id] = stored
         return stored
+
+    def tenants(self) -> dict[str, dict]:
+        """Each tenant's files: how many, their bytes, and its own budget (None: files_store_bytes)."""
+        budgets, rows = self.budgets(), {}
+        for stored in list(self.files.values()):
+            row = rows.setdefault(stored.tenant, {"files": 0, "bytes": 0, "budget": budgets.of(stored.tenant)})
+            row["files"] += 1
+            row["bytes"] += stored.bytes
+        return dict(sorted(rows.items()))
 
     def get(self, tenant: str, file_id: str, param: str = "file_id") -> StoredFile:
         """`tenant`'s file `file_id`; a 404 FileError where it has none of that id."""
@@ -126,9 +224,10 @@ class FileStore:
     def content(self, tenant: str, file_id: str) -> bytes:
         return self.data_path(self.get(tenant, file_id).id).read_bytes()
 
-    def listed(self, tenant: str, purpose: str | None = None) -> list[StoredFile]:
-        """`tenant`'s files, the latest first."""
-        return sorted([f for f in list(self.files.values()) if f.tenant == tenant and purpose in (None, f.purpose)],
+    def listed(self, tenant: str | None, purpose: str | None = None) -> list[StoredFile]:
+        """`tenant`'s files (None: every tenant's, an operator's view), the latest first."""
+        return sorted([f for f in list(self.files.values())
+                       if tenant in (None, f.tenant) and purpose in (None, f.purpose)],
                       key=lambda f: (f.created_at, f.id), reverse=True)
 
     def expire(self, keep: Callable[[StoredFile], bool]) -> list[StoredFile]:

@@ -1,6 +1,7 @@
 """The routes of OpenAI's Files and Batch APIs (`/v1/files`, `/v1/batches`: batch_files.py,
 batches.py), each tenant's own, and an operator's view of every tenant's batches
-(`/admin/batches`, what `kvctl batches` shows) with a cancel that is audited."""
+(`/admin/batches`, what `kvctl batches` shows) and files (`/admin/files`, `kvctl files`), with a
+cancel and a delete that are audited."""
 
 from __future__ import annotations
 
@@ -51,10 +52,10 @@ def batch_routes(service, principal, admin) -> APIRouter:
                      anchor: str | None = Form(None, alias="expires_after[anchor]"),
                      seconds: str | None = Form(None, alias="expires_after[seconds]"),
                      who: Principal = Depends(principal)):
-        content = await file.read()
         expires_in = None if anchor is None and seconds is None else \
             expiry_seconds({"anchor": anchor, "seconds": seconds})
-        stored = await run_in_threadpool(files.add, who.tenant, file.filename or "upload.jsonl", purpose, content,
+        # (the form's file, spooled to disk as it came: copied a piece at a time, never held whole)
+        stored = await run_in_threadpool(files.add, who.tenant, file.filename or "upload.jsonl", purpose, file.file,
                                          None, expires_in)
         return stored.public()
 
@@ -71,14 +72,18 @@ def batch_routes(service, principal, admin) -> APIRouter:
         content = await run_in_threadpool(files.content, who.tenant, file_id)
         return Response(content, media_type="application/octet-stream")
 
-    @router.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str, who: Principal = Depends(principal)):
-        files.get(who.tenant, file_id)
+    def deleted(tenant: str, file_id: str):
+        """`tenant`'s file gone; a 409 FileError, nothing removed, where a batch not ended reads it."""
+        files.get(tenant, file_id)
         reading = runner.holds_input(file_id)
         if reading is not None:
             raise FileError(f"file_id: file {file_id!r} is the input of batch {reading.id}, which is "
                             f"{reading.status}; cancel the batch or let it end first", "file_id", 409)
-        files.delete(who.tenant, file_id)
+        return files.delete(tenant, file_id)
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, who: Principal = Depends(principal)):
+        deleted(who.tenant, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     # ---- batches --------------------------------------------------------------------------
@@ -114,6 +119,31 @@ def batch_routes(service, principal, admin) -> APIRouter:
         return {"batches": [{**b.public(), "tenant": b.tenant, "in_flight": b.in_flight}
                             for b in runner.listed(None)],
                 "served": dict(runner.served), "concurrency": runner.concurrency()}
+
+    @router.get("/admin/files")
+    async def admin_files(tenant: str | None = Query(None), _: Principal = Depends(admin)):
+        """Every tenant's files (or `tenant`'s), the latest first; what each tenant's take of its
+        budget, and of files_store_bytes all of them together; uploads refused since kvd started."""
+        config = service.config
+        return {"files": [{**f.public(), "tenant": f.tenant} for f in files.listed(tenant)],
+                "tenants": {name: row for name, row in files.tenants().items() if tenant in (None, name)},
+                "bytes": files.held(), "store_bytes": config.files_store_bytes, "max_file_bytes": config.max_file_bytes,
+                "refused": {"tenant": files.refused["tenant"], "store": files.refused["store"]}}
+
+    @router.delete("/admin/files/{file_id}")
+    async def admin_delete_file(file_id: str, who: Principal = Depends(admin)):
+        """Delete any tenant's file (not one a batch not ended reads: 409); audited under its tenant."""
+        owner = files.files.get(file_id)
+        try:
+            gone = deleted(owner.tenant if owner else "", file_id)
+        except FileError as exc:
+            await run_in_threadpool(service.store.audit, actor=who.actor, tenant=owner.tenant if owner else who.tenant,
+                                    action="file_delete", target=file_id, result="refused",
+                                    detail={"error": str(exc)})
+            raise
+        await run_in_threadpool(service.store.audit, actor=who.actor, tenant=gone.tenant, action="file_delete",
+                                target=file_id, result="ok", detail={"bytes": gone.bytes, "purpose": gone.purpose})
+        return {"id": file_id, "object": "file", "deleted": True, "tenant": gone.tenant, "bytes": gone.bytes}
 
     @router.post("/admin/batches/{batch_id}/cancel")
     async def admin_cancel_batch(batch_id: str, who: Principal = Depends(admin)):

@@ -174,6 +174,9 @@ class BatchRunner:
         if source.purpose != "batch":
             raise BatchError(f"input_file_id: file {input_file_id!r} was uploaded for {source.purpose!r}; a batch's "
                              "input is uploaded with purpose 'batch'", "input_file_id")
+        no_room = self.files.no_room_for_output(tenant)
+        if no_room is not None:
+            raise no_room
         now = int(self.clock())
         batch = Batch("batch_" + uuid.uuid4().hex, tenant, endpoint, source.id, completion_window, metadata, now,
                       now + WINDOWS[completion_window], output_expiry=output_expiry)

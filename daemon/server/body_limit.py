@@ -4,9 +4,10 @@ each piece of it.
 kvd parses a completion's body on its event loop: a 40 MB list of token ids takes about a
 second there, during which no stream moves. `BodyLimit` answers 413 in OpenAI's error shape
 as soon as a request says (Content-Length) or shows (the chunks so far) that its body is over
-`max_request_bytes`, without reading the rest. A body that stops coming (a client that sends
-headers promising a body, then a byte now and then) is answered 408 once no piece of it has
-come for `BODY_PIECE_TIMEOUT_S`, as http_front does for headers.
+`max_request_bytes` (an upload to /v1/files: over `max_file_bytes`), without reading the rest.
+A body that stops coming (a client that sends headers promising a body, then a byte now and
+then) is answered 408 once no piece of it has come for `BODY_PIECE_TIMEOUT_S`, as http_front
+does for headers.
 """
 
 from __future__ import annotations
@@ -15,26 +16,32 @@ import asyncio
 import json
 from typing import Callable
 
+from kvctl.daemon.config import MAX_FILE_BYTES
+
 from . import cut_connections
 
 BODY_PIECE_TIMEOUT_S = 30.0  # nginx's client_body_timeout is 60 s
+UPLOAD_PATH = "/v1/files"  # a POST here is a file, capped by max_file_bytes
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a body over `limit()` bytes, read per request (so a reload
-    applies at once); 408 for one whose next piece does not come within `piece_timeout` s."""
+    """ASGI middleware: 413 for a body over `limit()` bytes (an upload, POST /v1/files: over
+    `file_limit()`), read per request (so a reload applies at once); 408 for one whose next piece
+    does not come within `piece_timeout` s."""
 
-    def __init__(self, app, limit: Callable[[], int], piece_timeout: float = BODY_PIECE_TIMEOUT_S) -> None:
-        self.app, self.limit, self.piece_timeout = app, limit, piece_timeout
+    def __init__(self, app, limit: Callable[[], int], piece_timeout: float = BODY_PIECE_TIMEOUT_S,
+                 file_limit: Callable[[], int] = lambda: MAX_FILE_BYTES) -> None:
+        self.app, self.limit, self.piece_timeout, self.file_limit = app, limit, piece_timeout, file_limit
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limit()
+        upload = scope.get("method") == "POST" and scope.get("path") == UPLOAD_PATH
+        limit, setting = (self.file_limit(), "max_file_bytes") if upload else (self.limit(), "max_request_bytes")
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._refuse(send, f"{int(declared):,} bytes", limit)
+            await self._refuse(send, f"{int(declared):,} bytes", limit, setting)
             return
         received, started, refused, whole = 0, False, False, False
 
@@ -61,7 +68,7 @@ class BodyLimit:
                     # answer now and tell the app the client left: it stops reading, and what it
                     # would answer is dropped
                     refused = True
-                    await self._refuse(send, f"{received:,} bytes so far", limit)
+                    await self._refuse(send, f"{received:,} bytes so far", limit, setting)
                     return {"type": "http.disconnect"}
             return message
 
@@ -75,9 +82,10 @@ class BodyLimit:
         await self.app(scope, counted_receive, tracked_send)
 
     @classmethod
-    async def _refuse(cls, send, size: str, limit: int) -> None:
-        await cls._answer(send, 413, f"body: {size} is over max_request_bytes ({limit:,}); send less per request",
-                          "request_too_large")
+    async def _refuse(cls, send, size: str, limit: int, setting: str) -> None:
+        advice = "upload a smaller file (a batch's input in parts)" if setting == "max_file_bytes" else \
+            "send less per request"
+        await cls._answer(send, 413, f"body: {size} is over {setting} ({limit:,}); {advice}", "request_too_large")
 
     @staticmethod
     async def _answer(send, status: int, message: str, code: str) -> None:

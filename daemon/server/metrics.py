@@ -371,6 +371,20 @@ class _EngineCollector:
         for outcome, n in batches["served"].items():
             family.add_metric([outcome], n)
         yield family
+        files = self.service.files  # /v1/files (batch_files.py)
+        yield GaugeMetricFamily("kvd_files", "Files kvd keeps (/v1/files: uploads and batches' outputs)",
+                                value=len(files.files))
+        yield GaugeMetricFamily("kvd_files_bytes", "Bytes of the files kvd keeps, every tenant's (of "
+                                "files_store_bytes)", value=files.held())
+        yield GaugeMetricFamily("kvd_files_store_budget_bytes", "files_store_bytes: what kvd's files may take, "
+                                "every tenant's together (uploads past it are refused)",
+                                value=self.service.config.files_store_bytes)
+        family = CounterMetricFamily("kvd_file_uploads_refused", "Uploads to /v1/files refused for room, by the "
+                                     "budget they would have passed: tenant (tenant_files_bytes) or store "
+                                     "(files_store_bytes)", labels=["budget"])
+        for budget in ("tenant", "store"):
+            family.add_metric([budget], files.refused[budget])
+        yield family
         replies = self.service.reply_ids.figures()  # chat replies' own ids (reply_ids.py)
         yield GaugeMetricFamily("kvd_reply_ids_kept", "Chat replies whose token ids kvd keeps for the next turn",
                                 value=replies["replies"])

@@ -384,7 +384,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                         ("/admin/tiers", replica_reports), ("/admin/prefixes", merge_prefix_lists),
                         ("/admin/pins", merge_pin_lists), ("/admin/profile", replica_reports),
                         ("/admin/responses", replica_reports), ("/admin/audit", merge_audit_lists),
-                        ("/admin/batches", replica_reports)):
+                        ("/admin/batches", replica_reports), ("/admin/files", replica_reports)):
         merged_listing(path, merge)
 
     @app.get("/admin/events")
@@ -727,16 +727,22 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                       reverse=True)
         return rows, 200, {}
 
-    @app.post("/admin/batches/{batch_id}/cancel")
-    async def cancel_batch_everywhere(batch_id: str, _: Caller = Depends(admin)):
-        """An operator's cancel, at the replica that keeps the batch (each is asked; the others
-        answer 404)."""
+    async def at_keeper(method: str, path: str, content: bytes | None) -> JSONResponse:
+        """An operator's request about one batch or file, at the replica that keeps it: each is
+        asked (the others answer 404); the answer of the one that keeps it, its name added."""
         replicas = service.replicas
-        answers = await each_replica(replicas, "POST", f"/admin/batches/{quote(batch_id, safe='')}/cancel", b"{}",
-                                     FLEET_ADMIN_TIMEOUT_S)
+        answers = await each_replica(replicas, method, path, content, FLEET_ADMIN_TIMEOUT_S)
         ranked = sorted(zip(replicas, answers), key=lambda pair: (pair[1][0] != 200, pair[1][0] == 404))
         replica, (status, body) = ranked[0]
         return JSONResponse({**body, "replica": replica.name} if status == 200 else body, status_code=status or 502)
+
+    @app.post("/admin/batches/{batch_id}/cancel")
+    async def cancel_batch_everywhere(batch_id: str, _: Caller = Depends(admin)):
+        return await at_keeper("POST", f"/admin/batches/{quote(batch_id, safe='')}/cancel", b"{}")
+
+    @app.delete("/admin/files/{file_id}")
+    async def delete_file_everywhere(file_id: str, _: Caller = Depends(admin)):
+        return await at_keeper("DELETE", f"/admin/files/{quote(file_id, safe='')}", None)
 
     @app.api_route("/v1/conversations/{conversation_id}", methods=["GET", "POST", "DELETE"])
     async def conversation(conversation_id: str, http: Request, who: Caller = Depends(caller)):

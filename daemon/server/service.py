@@ -45,7 +45,7 @@ from kvctl.policies.queue_order import by_priority
 
 from . import device_loss, lora_ops, pin_ops, reasoning, reload_ops, response_admin, tier_ops, tool_calls, weights_ops
 from .admin_slots import WriteSlots
-from .batch_files import FileStore
+from .batch_files import FileBudgets, FileStore
 from .batches import BatchRunner
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
@@ -152,7 +152,8 @@ class EngineService:
         self.responses = ResponseStore(config.responses_store_bytes, kept_file)  # (starts the file's thread)
         self.reply_ids = ReplyIds(config.reply_ids_bytes)  # chat replies' own ids, for the next turn's prompt
         # /v1/files and /v1/batches: kept in the state folder, served from it again after a restart
-        self.files = FileStore(Path(config.state_dir) / "files")
+        self.files = FileStore(Path(config.state_dir) / "files", budgets=lambda: FileBudgets(
+            self.config.files_store_bytes, self.config.tenant_files_bytes))
         self.batches = BatchRunner(Path(config.state_dir) / "batches", self.files,
                                    lambda: self.config.batch_concurrency)
         self._reply_ids_read = False  # read back from the state directory once, at the first load
