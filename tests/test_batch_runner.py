@@ -266,7 +266,7 @@ def test_after_a_restart_what_was_left_is_served_and_what_was_served_is_not_agai
     assert [p for _, p, _ in stand_in.asked[asked_before:]] == ["p2", "p3", "p4"]  # (p2's first answer: unwritten)
     assert done["status"] == "completed" and done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     assert [row["custom_id"] for row in output(again, "acme", done["output_file_id"])] == [f"r{i}" for i in range(5)]
-    assert again.get("acme", batch_id).answers == {}  # (its answers are in its file, not held in memory)
+    assert again.get("acme", batch_id).done == set()  # (its answers are in its file, not held in memory)
     later = runner_for(tmp_path, stand_in)  # a start after it ended: it says what it said
     assert later.get("acme", batch_id).public() == done
 
@@ -327,3 +327,71 @@ def test_an_expired_input_file_stays_while_its_batch_runs_and_goes_once_it_has_e
     asyncio.run(go())
     assert [f.id for f in runner.files.expire(keep)] == [file_id]
     assert file_id not in runner.files.files and not (tmp_path / "files" / f"{file_id}.json").exists()
+
+
+def test_lines_are_read_where_they_lie_in_the_file_crlf_blank_lines_and_a_raw_line_separator_too(tmp_path):
+    stand_in = StandIn()
+    runner = runner_for(tmp_path, stand_in, concurrency=1)
+    prompts = ["first\u2028half", "second", "third"]  # (U+2028 as it is, not escaped: still one line)
+    rows = [json.dumps(line(f"r{i}", p), ensure_ascii=False) for i, p in enumerate(prompts)]
+    content = (rows[0] + "\r\n\r\n" + rows[1] + "\n\n" + rows[2]).encode()
+    file_id = runner.files.add("acme", "in.jsonl", "batch", content).id
+
+    async def go():
+        batch = runner.create("acme", file_id, CHAT, "24h", {})
+        where = [(n.number, n.custom_id, n.offset, n.length) for n in batch.lines]
+        return where, await ended(runner, batch.id)
+
+    where, done = asyncio.run(go())
+    second_at = len((rows[0] + "\r\n\r\n").encode())
+    assert sorted(where) == [(1, "r0", 0, len((rows[0] + "\r\n").encode())),
+                             (3, "r1", second_at, len(rows[1]) + 1),
+                             (5, "r2", second_at + len(rows[1]) + 2, len(rows[2]))]
+    assert sorted(prompt for _, prompt, _ in stand_in.asked) == sorted(prompts)
+    assert [row["custom_id"] for row in output(runner, "acme", done["output_file_id"])] == ["r0", "r1", "r2"]
+
+
+def test_prompts_alike_past_their_first_characters_are_served_one_after_another(tmp_path):
+    from kvctl.daemon.server.batch_lines import KEY_CHUNKS, KEY_TEXT, prompt_key
+
+    stand_in = StandIn()
+    runner = runner_for(tmp_path, stand_in, concurrency=1)
+    system = "You answer about the document below. " * 10  # (370 characters alike in every prompt)
+    documents = {name: f"Document {name}: " + name * 900 for name in "PQR"}
+    order = [("Q", 1), ("P", 1), ("R", 1), ("Q", 2), ("R", 2), ("P", 2), ("P", 3), ("Q", 3), ("R", 3)]
+    prompts = [f"{system}{documents[name]} Question {n}?" for name, n in order]
+    file_id = upload(runner, "acme", [line(f"c{i}", p) for i, p in enumerate(prompts)])
+
+    async def go():
+        return await ended(runner, runner.create("acme", file_id, CHAT, "24h", {}).id)
+
+    asyncio.run(go())
+    served = [prompt[len(system) + len("Document ")] for _, prompt, _ in stand_in.asked]
+    runs = [served[i] for i in range(len(served)) if i == 0 or served[i] != served[i - 1]]
+    assert sorted(runs) == ["P", "Q", "R"]  # each document's questions one after another
+    assert len(served) == 9
+    text, digests = prompt_key({"messages": [{"role": "user", "content": "x" * 100_000}]})
+    assert len(text) == KEY_TEXT and len(digests) == 8 * KEY_CHUNKS  # (bounded, however long the prompt)
+    # prompts alike in their first KEY_TEXT characters are told apart by what follows them
+    assert prompt_key({"prompt": "a" * KEY_TEXT + "b"}) != prompt_key({"prompt": "a" * KEY_TEXT + "c"})
+
+
+def test_a_line_that_cannot_be_read_again_is_an_error_and_the_others_are_answered(tmp_path):
+    stand_in = StandIn()
+    runner = runner_for(tmp_path, stand_in, concurrency=1)
+    file_id = upload(runner, "acme", [line(f"r{i}", f"p{i}") for i in range(3)])
+
+    async def go():
+        stand_in.gate = asyncio.Event()
+        batch = runner.create("acme", file_id, CHAT, "24h", {})
+        while not stand_in.asked:
+            await asyncio.sleep(0.005)
+        runner.files.data_path(file_id).write_bytes(b"")  # (its input emptied under it, as no kvd path does)
+        stand_in.gate.set()
+        return await ended(runner, batch.id)
+
+    done = asyncio.run(go())
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    assert [row["custom_id"] for row in output(runner, "acme", done["output_file_id"])] == ["r0"]
+    assert [(row["custom_id"], row["error"]["code"]) for row in output(runner, "acme", done["error_file_id"])] == [
+        ("r1", "input_unreadable"), ("r2", "input_unreadable")]

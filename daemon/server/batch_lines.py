@@ -10,49 +10,77 @@ kvd serves the lines in the order of their prompts, not of the file: lines that 
 shared system prompt, a shared document) come one after another, so the prefix cache computes
 what they share once while it is held, rather than once per line wherever the file scattered
 them. The output file is written in the input's order all the same.
+
+A batch holds no request body in memory: each line is kept as where it lies in the input file
+(`offset`, `length`) and a key to order it by (`prompt_key`), and its body is read from the file
+when it is served (`read_body`). A 200 MiB file of 50,000 requests takes a few MiB while its
+batch runs, not the gigabytes its parsed bodies would.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MOST_LINES = 50_000  # OpenAI's most requests in one batch
 ERRORS_LISTED = 20  # a file's faults named at most (the count says how many more)
+KEY_TEXT = 256  # a prompt's first characters, kept as they are in its order key
+KEY_CHUNK = 256  # ... and after them a digest of each next run of as many characters
+KEY_CHUNKS = 64  # ... of so many at most (16,384 characters more: prompts alike that far are neighbours)
 
 
 @dataclass(frozen=True)
 class BatchLine:
+    """A line of a batch's input file, as a running batch keeps it: where it lies in the file, not
+    its body (read_body reads it when the line is served)."""
+
     number: int  # in the input file, from 1
     custom_id: str
-    body: dict
+    offset: int  # of the line's first byte in the file
+    length: int  # its bytes, its end of line included
+    key: tuple[str, bytes] = field(default=("", b""), compare=False, repr=False)  # prompt_key: its place in order
 
 
-def read_lines(content: bytes, endpoint: str, most: int = MOST_LINES) -> tuple[list[BatchLine], list[dict]]:
-    """The lines of a batch input file for `endpoint`, and the faults found (OpenAI's error
-    objects: code, message, param, line); lines are returned only where there is no fault."""
+def read_lines(source: BinaryIO, endpoint: str, most: int = MOST_LINES) -> tuple[list[BatchLine], list[dict]]:
+    """The lines of a batch input file (`source`, read from its start a line at a time) for
+    `endpoint`, and the faults found (OpenAI's error objects: code, message, param, line); lines
+    are returned only where there is no fault. Lines end at a newline (a carriage return before
+    it is part of the end)."""
     lines: list[BatchLine] = []
     faults: list[dict] = []
+    more_faults = 0
     seen: dict[str, int] = {}
 
     def fault(code: str, message: str, number: int | None, param: str | None = None) -> None:
-        faults.append({"code": code, "message": message, "param": param, "line": number})
+        nonlocal more_faults
+        if len(faults) < ERRORS_LISTED:
+            faults.append({"code": code, "message": message, "param": param, "line": number})
+        else:
+            more_faults += 1
 
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        fault("invalid_json_line", f"the file is not UTF-8 text (byte {exc.start})", None)
-        return [], faults
-    rows = [(n, row) for n, row in enumerate(text.splitlines(), start=1) if row.strip()]
-    if not rows:
+    source.seek(0)
+    requests = sum(1 for raw in source if raw.strip())
+    if not requests:
         fault("empty_file", "the file has no request in it", None)
         return [], faults
-    if len(rows) > most:
-        fault("too_many_requests", f"a batch holds at most {most:,} requests, the file has {len(rows):,}", None)
+    if requests > most:
+        fault("too_many_requests", f"a batch holds at most {most:,} requests, the file has {requests:,}", None)
         return [], faults
-    for number, row in rows:
+    source.seek(0)
+    offset = 0
+    for number, raw in enumerate(source, start=1):
+        start, offset = offset, offset + len(raw)
+        try:
+            row = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            faults[:], more_faults = [], 0
+            fault("invalid_json_line", f"the file is not UTF-8 text (byte {start + exc.start})", None)
+            return [], faults
+        if not row.strip():
+            continue
         try:
             line = json.loads(row)
         except ValueError:
@@ -69,14 +97,20 @@ def read_lines(content: bytes, endpoint: str, most: int = MOST_LINES) -> tuple[l
                   "custom_id")
             continue
         seen[custom_id] = number
-        lines.append(BatchLine(number, custom_id, line["body"]))
+        if not faults:  # (once the file is at fault, no line of it is served: none kept)
+            lines.append(BatchLine(number, custom_id, start, len(raw), prompt_key(line["body"])))
     if faults:
-        kept = faults[:ERRORS_LISTED]
-        if len(faults) > ERRORS_LISTED:
-            kept.append({"code": "too_many_errors", "message": f"{len(faults) - ERRORS_LISTED:,} more lines have "
-                                                               "faults too", "param": None, "line": None})
-        return [], kept
+        if more_faults:
+            faults.append({"code": "too_many_errors", "message": f"{more_faults:,} more lines have faults too",
+                           "param": None, "line": None})
+        return [], faults
     return lines, []
+
+
+def read_body(source: BinaryIO, line: BatchLine) -> dict:
+    """The body of `line`, read from its input file (`source`) where read_lines found it."""
+    source.seek(line.offset)
+    return json.loads(source.read(line.length))["body"]
 
 
 def _problem(line: Any, endpoint: str) -> tuple[str, str, str | None] | None:
@@ -105,16 +139,29 @@ def _problem(line: Any, endpoint: str) -> tuple[str, str, str | None] | None:
     return None
 
 
-def prompt_order(lines: list[BatchLine]) -> list[BatchLine]:
-    """`lines` in the order kvd serves them: by their prompt's text (a chat's messages, a
-    completion's prompt, a response's instructions then input), so lines that begin alike are
-    neighbours; the file's order where prompts are equal."""
-    def prompt_of(line: BatchLine) -> str:
-        body = line.body
-        if "messages" in body or "prompt" in body:
-            given = body.get("messages", body.get("prompt"))
-        else:
-            given = [body.get("instructions") or "", body.get("input")]
-        return given if isinstance(given, str) else json.dumps(given, ensure_ascii=False)
+def prompt_text(body: dict) -> str:
+    """The prompt of a line's body as text: a chat's messages, a completion's prompt, a response's
+    instructions then input."""
+    if "messages" in body or "prompt" in body:
+        given = body.get("messages", body.get("prompt"))
+    else:
+        given = [body.get("instructions") or "", body.get("input")]
+    return given if isinstance(given, str) else json.dumps(given, ensure_ascii=False)
 
-    return sorted(lines, key=lambda line: (prompt_of(line), line.number))
+
+def prompt_key(body: dict) -> tuple[str, bytes]:
+    """What a line is served in the order of: its prompt's first KEY_TEXT characters, then an
+    8-byte digest of each next KEY_CHUNK characters (KEY_CHUNKS at most). Prompts alike in their
+    first characters sort as their text does; those alike further sort together, each run of
+    runs alike beside the others, at a few hundred bytes a line rather than the whole prompt."""
+    text = prompt_text(body)
+    rest = text[KEY_TEXT:KEY_TEXT + KEY_CHUNK * KEY_CHUNKS]
+    digests = b"".join(hashlib.blake2b(rest[i:i + KEY_CHUNK].encode("utf-8", "surrogatepass"), digest_size=8).digest()
+                       for i in range(0, len(rest), KEY_CHUNK))
+    return text[:KEY_TEXT], digests
+
+
+def prompt_order(lines: list[BatchLine]) -> list[BatchLine]:
+    """`lines` in the order kvd serves them: by their prompt (prompt_key), so lines that begin
+    alike are neighbours; the file's order where prompts are alike."""
+    return sorted(lines, key=lambda line: (line.key, line.number))

@@ -14,6 +14,11 @@ What a batch has served is appended to `state_dir/batches/<id>.done.jsonl` as ea
 the batch itself (`<id>.json`) is written whole at each change of status: after a restart, kvd
 serves what was left of each batch it had not finished. A line answered 429 or 503 (a full queue,
 kvd asleep, draining or stopping) is not written: it is served again later, not counted failed.
+
+A running batch keeps in memory where each line lies in its input file (batch_lines.py), which
+lines are answered, and their counts and tokens: not their bodies (read from the input file as
+each is served) nor their answers (in the done file, from which the output and error files are
+written in the input's order when the batch ends, a record at a time).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import httpx
 from kvctl.daemon.whole_file import write_json_whole, write_whole
 
 from .batch_files import FileError, FileStore
-from .batch_lines import ENDPOINTS, BatchLine, prompt_order, read_lines
+from .batch_lines import ENDPOINTS, BatchLine, prompt_order, read_body, read_lines
 
 log = logging.getLogger("kvd")
 
@@ -42,11 +47,51 @@ ENDED = ("completed", "failed", "expired", "cancelled")
 STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *ENDED)
 ACTIVE = ("in_progress", "finalizing", "cancelling")  # what the supervisor serves or ends
 STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+TOKENS = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")  # what a batch's usage sums
 
 
 def answered_2xx(answer: dict) -> bool:
     """An output record (OpenAI's: custom_id, response, error) of a request answered 2xx."""
     return answer["response"] is not None and 200 <= answer["response"]["status_code"] < 300
+
+
+def answer_tokens(answer: dict) -> tuple[int, int, int, int]:
+    """The TOKENS of an output record answered 2xx (a chat's or completion's usage, or a
+    response's); zeros for one that says none."""
+    usage = answered_2xx(answer) and isinstance(answer["response"]["body"], dict) and \
+        answer["response"]["body"].get("usage")
+    if not isinstance(usage, dict):
+        return 0, 0, 0, 0
+    given, made = ("input", "output") if "input_tokens" in usage else ("prompt", "completion")  # (a response's)
+    return (usage.get(f"{given}_tokens") or 0, usage.get(f"{made}_tokens") or 0,
+            (usage.get(f"{given}_tokens_details") or {}).get("cached_tokens") or 0,
+            (usage.get(f"{made}_tokens_details") or {}).get("reasoning_tokens") or 0)
+
+
+def done_records(path: Path):
+    """(offset, bytes, record or None) of each line of a done file, in its order: None where the
+    line is not a whole record (one a crash cut short). Nothing where there is no file."""
+    if not path.exists():
+        return
+    with open(path, "rb") as rows:
+        offset = 0
+        for raw in rows:
+            start, offset = offset, offset + len(raw)
+            try:
+                record = json.loads(raw)
+                whole = isinstance(record, dict) and isinstance(record.get("line"), int)
+                answered_2xx(record)  # (KeyError or TypeError where it is not an output record)
+            except (ValueError, KeyError, TypeError):
+                whole = False
+            yield start, raw, record if whole and raw.endswith(b"\n") else None
+
+
+def keep_whole_records(done: Path, into: Path) -> None:
+    """Write `done`'s whole records into `into` (done_records), dropping those a crash cut short."""
+    with open(into, "wb") as kept:
+        for _, raw, record in done_records(done):
+            if record is not None:
+                kept.write(raw)
 
 
 class BatchError(FileError):
@@ -76,7 +121,9 @@ class Batch:
     output_expiry: int | None = None  # seconds its output and error files are kept (output_expires_after)
     # what serving it keeps in memory (not written: the done file and the input say it again)
     lines: list[BatchLine] = field(default_factory=list, repr=False)  # in the order they are served
-    answers: dict[int, dict] = field(default_factory=dict, repr=False)  # line number -> its output record
+    done: set[int] = field(default_factory=set, repr=False)  # the line numbers answered (their records: the done file)
+    answered: dict = field(default_factory=lambda: {"completed": 0, "failed": 0, **dict.fromkeys(TOKENS, 0)},
+                           repr=False)  # of those: how many 2xx and not, and the TOKENS of those 2xx
     next_line: int = 0  # in `lines`
     in_flight: int = 0
     retry: list[BatchLine] = field(default_factory=list, repr=False)  # answered 429/503: served again
@@ -97,9 +144,14 @@ class Batch:
     def counts(self) -> dict:
         if self.final is not None:
             return self.final["request_counts"]
-        answers = list(self.answers.values())  # (a snapshot: its files are written in a worker thread)
-        failed = sum(1 for a in answers if not answered_2xx(a))
-        return {"total": self.total, "completed": len(answers) - failed, "failed": failed}
+        return {"total": self.total, "completed": self.answered["completed"], "failed": self.answered["failed"]}
+
+    def count(self, number: int, answer: dict) -> None:
+        """Line `number` answered with `answer` (its output record)."""
+        self.done.add(number)
+        self.answered["completed" if answered_2xx(answer) else "failed"] += 1
+        for name, tokens in zip(TOKENS, answer_tokens(answer)):
+            self.answered[name] += tokens
 
     def public(self) -> dict:
         """The batch object OpenAI's API answers."""
@@ -116,17 +168,7 @@ class Batch:
         tokens the prefix cache served, where kvd reports them to the tenant)."""
         if self.final is not None:
             return self.final["usage"]
-        totals = dict.fromkeys(("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens"), 0)
-        for answer in list(self.answers.values()):
-            usage = answered_2xx(answer) and isinstance(answer["response"]["body"], dict) and \
-                answer["response"]["body"].get("usage")
-            if not isinstance(usage, dict):
-                continue
-            given, made = ("input", "output") if "input_tokens" in usage else ("prompt", "completion")  # (a response's)
-            totals["prompt_tokens"] += usage.get(f"{given}_tokens") or 0
-            totals["completion_tokens"] += usage.get(f"{made}_tokens") or 0
-            totals["cached_tokens"] += (usage.get(f"{given}_tokens_details") or {}).get("cached_tokens") or 0
-            totals["reasoning_tokens"] += (usage.get(f"{made}_tokens_details") or {}).get("reasoning_tokens") or 0
+        totals = self.answered
         return {"input_tokens": totals["prompt_tokens"], "output_tokens": totals["completion_tokens"],
                 "total_tokens": totals["prompt_tokens"] + totals["completion_tokens"],
                 "input_tokens_details": {"cached_tokens": totals["cached_tokens"]},
@@ -134,7 +176,7 @@ class Batch:
 
     def pending(self) -> bool:
         """Lines are left to hand out (now or once their retry is due)."""
-        while self.next_line < len(self.lines) and self.lines[self.next_line].number in self.answers:
+        while self.next_line < len(self.lines) and self.lines[self.next_line].number in self.done:
             self.next_line += 1  # (served before a restart)
         return self.next_line < len(self.lines) or bool(self.retry)
 
@@ -180,7 +222,8 @@ class BatchRunner:
         now = int(self.clock())
         batch = Batch("batch_" + uuid.uuid4().hex, tenant, endpoint, source.id, completion_window, metadata, now,
                       now + WINDOWS[completion_window], output_expiry=output_expiry)
-        lines, faults = read_lines(self.files.content(tenant, source.id), endpoint)
+        with open(self.files.data_path(source.id), "rb") as content:
+            lines, faults = read_lines(content, endpoint)
         if faults:
             batch.errors, batch.status, batch.stamps["failed_at"] = faults, "failed", now
         else:
@@ -223,7 +266,7 @@ class BatchRunner:
         by_status = dict.fromkeys(STATUSES, 0)
         for batch in list(self.batches.values()):
             by_status[batch.status] += 1
-        waiting = sum(batch.total - len(batch.answers) for batch in list(self.batches.values())
+        waiting = sum(batch.total - len(batch.done) for batch in list(self.batches.values())
                       if batch.status == "in_progress")
         return {"batches": by_status, "waiting": waiting, "served": dict(self.served)}
 
@@ -291,8 +334,16 @@ class BatchRunner:
         return None
 
     async def _serve(self, client: httpx.AsyncClient, batch: Batch, line: BatchLine) -> None:
-        body = line.body if "service_tier" in line.body else {**line.body, "service_tier": "flex"}
         request_id = "batch_req_" + uuid.uuid4().hex
+        try:
+            body = self._body(batch, line)  # (a line's bytes from a local file: read on the loop, as httpx sends them)
+        except (OSError, ValueError, KeyError) as exc:  # (its input changed under it: not expected)
+            log.error("batch %s: line %d could not be read from its input file again (%s)", batch.id, line.number,
+                      type(exc).__name__)
+            self._note(batch, line, {"id": request_id, "custom_id": line.custom_id, "response": None, "error": {
+                "code": "input_unreadable", "message": "this request could not be read from the input file again"}})
+            return
+        body = body if "service_tier" in body else {**body, "service_tier": "flex"}
         try:
             answer = await client.post(batch.endpoint, json=body,
                                        headers={"X-KVD-Tenant": batch.tenant, "X-Request-Id": request_id})
@@ -314,14 +365,22 @@ class BatchRunner:
                                      "response": {"status_code": status, "request_id": request_id, "body": content},
                                      "error": None})
 
+    def _body(self, batch: Batch, line: BatchLine) -> dict:
+        with open(self.files.data_path(batch.input_file_id), "rb") as source:
+            return read_body(source, line)
+
     def _ended_one(self, batch: Batch) -> None:
         batch.in_flight -= 1
         if self._wake is not None:
             self._wake.set()
 
     def _note(self, batch: Batch, line: BatchLine, answer: dict) -> None:
-        batch.answers[line.number] = answer
+        self._record(batch, line, answer)
         self.served["completed" if answered_2xx(answer) else "failed"] += 1
+
+    def _record(self, batch: Batch, line: BatchLine, answer: dict) -> None:
+        """`line`'s answer counted, and appended to the batch's done file."""
+        batch.count(line.number, answer)
         with open(self.folder / f"{batch.id}.done.jsonl", "a") as done:
             done.write(json.dumps({"line": line.number, **answer}) + "\n")
 
@@ -352,31 +411,40 @@ class BatchRunner:
 
     def _finish(self, batch: Batch, ending: str, now: float) -> None:
         self._save(batch)  # (finalizing: a restart writes its files again)
-        unserved = {line.number: line for line in batch.lines if line.number not in batch.answers}
         if ending == "expired":  # each line not served is an error, as OpenAI writes them
-            for number, line in unserved.items():
-                batch.answers[number] = {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
-                                         "response": None, "error": {"code": "batch_expired", "message": (
-                                             "this request could not be served before the batch expired")}}
-        ok, bad = [], []
-        for _, answer in sorted(batch.answers.items()):  # (in the input's order)
-            (ok if answered_2xx(answer) else bad).append(answer)
+            for line in [line for line in batch.lines if line.number not in batch.done]:
+                self._record(batch, line, {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
+                                           "response": None, "error": {"code": "batch_expired", "message": (
+                                               "this request could not be served before the batch expired")}})
+        done = self.folder / f"{batch.id}.done.jsonl"
+        where = {record["line"]: (start, len(raw)) for start, raw, record in done_records(done) if record}
+        parts = {kind: self.folder / f"{batch.id}.{kind}.part" for kind in ("output", "error")}
+        written = dict.fromkeys(parts, 0)
+        with open(parts["output"], "w") as ok, open(parts["error"], "w") as bad, open(done, "ab+") as rows:
+            for number in sorted(where):  # (in the input's order, a record at a time)
+                rows.seek(where[number][0])
+                answer = json.loads(rows.read(where[number][1]))
+                del answer["line"]
+                kind = "output" if answered_2xx(answer) else "error"
+                (ok if kind == "output" else bad).write(json.dumps(answer) + "\n")
+                written[kind] += 1
         stem = batch.id.removeprefix("batch_")[:24]
-        for kind, kept, attribute in (("output", ok, "output_file_id"), ("error", bad, "error_file_id")):
-            if kept:
-                content = "".join(json.dumps(a) + "\n" for a in kept).encode()
-                written = self.files.add(batch.tenant, f"{batch.id}_{kind}.jsonl", "batch_output", content,
-                                         file_id=f"file-{stem}{'0' if kind == 'output' else '1'}",
-                                         expires_in=batch.output_expiry)
-                setattr(batch, attribute, written.id)
+        for kind, attribute in (("output", "output_file_id"), ("error", "error_file_id")):
+            if written[kind]:
+                with open(parts[kind], "rb") as content:
+                    kept = self.files.add(batch.tenant, f"{batch.id}_{kind}.jsonl", "batch_output", content,
+                                          file_id=f"file-{stem}{'0' if kind == 'output' else '1'}",
+                                          expires_in=batch.output_expiry)
+                setattr(batch, attribute, kept.id)
+            parts[kind].unlink(missing_ok=True)
         batch.final = {"request_counts": batch.counts, "usage": batch.usage()}
         batch.status = ending
         batch.stamps[f"{ending}_at"] = int(now)
         self._save(batch)
-        batch.lines, batch.retry, batch.answers = [], [], {}  # (in its files now: not held in memory)
-        (self.folder / f"{batch.id}.done.jsonl").unlink(missing_ok=True)
+        batch.lines, batch.retry, batch.done = [], [], set()  # (in its files now: not held in memory)
+        done.unlink(missing_ok=True)
         log.info("batch %s of tenant %s %s: %d of %d requests answered 2xx", batch.id, batch.tenant, ending,
-                 len(ok), batch.total)
+                 written["output"], batch.total)
 
     # ---- kept across restarts -------------------------------------------------------------
     def _save(self, batch: Batch) -> None:
@@ -394,7 +462,9 @@ class BatchRunner:
             if batch.status in ENDED:
                 continue
             try:
-                lines, _ = read_lines(self.files.content(batch.tenant, batch.input_file_id), batch.endpoint)
+                self.files.get(batch.tenant, batch.input_file_id)
+                with open(self.files.data_path(batch.input_file_id), "rb") as content:
+                    lines, _ = read_lines(content, batch.endpoint)
             except (FileError, OSError) as exc:
                 log.error("batch %s: its input file %s cannot be read (%s); the batch fails", batch.id,
                           batch.input_file_id, exc)
@@ -406,12 +476,10 @@ class BatchRunner:
             batch.lines = prompt_order(lines)
             done = self.folder / f"{batch.id}.done.jsonl"
             torn = False
-            for row in (done.read_text().splitlines() if done.exists() else ()):
-                try:
-                    answer = json.loads(row)
-                    batch.answers[answer.pop("line")] = answer
-                except (ValueError, KeyError, AttributeError, TypeError):
+            for _, _, record in done_records(done):
+                if record is None:
                     torn = True  # (a line a crash cut short: its request is served again)
+                else:
+                    batch.count(record.pop("line"), record)
             if torn:  # written again without it, so that what is appended next starts a line of its own
-                write_whole(done, lambda tmp: tmp.write_text("".join(
-                    json.dumps({"line": number, **answer}) + "\n" for number, answer in batch.answers.items())))
+                write_whole(done, lambda tmp: keep_whole_records(done, tmp))
