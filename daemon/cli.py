@@ -556,6 +556,9 @@ def router(
         None, help="events: memory for the ids of the chat replies it relays, e.g. 64MiB (the default): a next turn "
                    "that sends a reply back is weighed as the replica prompts it, with the ids the model made; 0 "
                    "reads replies as text."),
+    max_file_bytes: Optional[str] = typer.Option(
+        None, help="The largest upload to /v1/files it takes, e.g. 1GiB (413 above; default 200MiB); at least "
+                   "the replicas' --max-file-bytes."),
     token_file: Optional[str] = typer.Option(None, help="Bearer token (admin role) for URL replicas."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --clients-file)."),
     clients_file: Optional[str] = typer.Option(None, help="The TCP callers' tokens: TOKEN TENANT ROLE lines, "
@@ -618,7 +621,7 @@ def router(
             replicas_file=replicas_file, socket=socket_path, routing=routing,
             balance_seconds=balance_seconds, new_prefix=new_prefix, new_prefix_slack=new_prefix_slack,
             prefill_rate=prefill_rate, queue_limits=queue_limits, view=view, load_interval=load_interval,
-            pending_seconds=pending_seconds, reply_ids_bytes=reply_ids_bytes,
+            pending_seconds=pending_seconds, reply_ids_bytes=reply_ids_bytes, max_file_bytes=max_file_bytes,
             silent_give_up_seconds=silent_give_up_seconds, silent_probe_seconds=silent_probe_seconds,
             token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
             gc_warn_seconds=gc_warn_seconds, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
@@ -667,14 +670,14 @@ def router(
                                    client=lambda spec: replica_client(spec, token, verify=verify))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_route(service, settings.socket, settings.listen, clients, settings.clients_file, membership,
-                              settings.gc_freeze, tls))
+                              settings.gc_freeze, tls, settings.max_file_bytes))
     except (ConfigError, RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
 
 
 async def _route(service, socket_path: str, listen: str | None, clients, clients_file: str | None,
-                 membership=None, gc_freeze: bool = True, tls=None) -> None:
+                 membership=None, gc_freeze: bool = True, tls=None, max_file_bytes: int | None = None) -> None:
     from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.loop_errors import exception_handler
@@ -685,8 +688,9 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     front = unix_front.UnixFront(socket_path)
     raise_open_file_limit()
     metrics = RouterMetrics(service)
-    unix_app = create_router_app(service, metrics=metrics)
-    tcp_app = create_router_app(service, front="tcp", tokens=clients, metrics=metrics) if listen else None
+    uploads = {} if max_file_bytes is None else {"max_file_bytes": max_file_bytes}  # (None: the default)
+    unix_app = create_router_app(service, metrics=metrics, **uploads)
+    tcp_app = create_router_app(service, front="tcp", tokens=clients, metrics=metrics, **uploads) if listen else None
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(exception_handler)  # anyio's cancelled-read race at debug (loop_errors.py)
     fronts = Fronts()

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, QUEUE_LIMITS,
                                    ROUTING_POLICIES)
 
-from .config import (ConfigError, check_tls_settings, check_traces_protocol, env_typos, field_defaults, finite_number,
-                     merge_settings, on_or_off, read_settings_file, setting_names, whole_number)
+from .config import (MAX_FILE_BYTES, ConfigError, check_tls_settings, check_traces_protocol, env_typos, field_defaults,
+                     finite_number, merge_settings, on_or_off, read_settings_file, setting_names, whole_number)
 from .server.byte_sizes import size_in_bytes
 from .server.otlp_export import check_endpoint
 from .server.reply_ids import REPLY_IDS_BYTES
@@ -53,6 +53,8 @@ class RouterConfig:
     # events: memory for the ids of the chat replies relayed, with which a chat's next turn is weighed as the
     # replica prompts it (server/router_replies.py); 0: its replies are read as text
     reply_ids_bytes: int = REPLY_IDS_BYTES
+    # the largest upload to /v1/files it takes (413 above), as kvd's max_file_bytes: at least the replicas'
+    max_file_bytes: int = MAX_FILE_BYTES
     token_file: str | None = None  # an admin bearer token for URL replicas
     listen: str | None = None  # HOST:PORT for TCP callers (needs clients_file)
     clients_file: str | None = None  # the TCP callers' tokens: TOKEN TENANT ROLE lines
@@ -84,10 +86,12 @@ _PARSERS = {"replicas": _replicas, "prefill_replicas": _replicas, "decode_replic
             "prefill_rate": finite_number, "load_interval": finite_number, "pending_seconds": finite_number,
             "silent_give_up_seconds": finite_number, "silent_probe_seconds": finite_number,
             "gc_freeze": on_or_off, "gc_warn_seconds": finite_number, "log_requests": on_or_off,
-            "reply_ids_bytes": size_in_bytes}
+            "reply_ids_bytes": size_in_bytes, "max_file_bytes": size_in_bytes}
 
 
 def _check(name: str, value: Any) -> None:
+    if name == "max_file_bytes" and value < 4096:
+        raise ValueError("must be at least 4KiB")
     if name == "routing" and value not in ROUTING_POLICIES:
         raise ValueError(f"must be one of {', '.join(ROUTING_POLICIES)}")
     if name == "new_prefix" and value not in NEW_PREFIX:

@@ -229,6 +229,8 @@ def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_pa
     patient = resolve_router({"silent_probe_seconds": 2.5}, {"KVD_ROUTER_SILENT_GIVE_UP_SECONDS": "0"}, path)
     assert (patient.silent_give_up_seconds, patient.silent_probe_seconds) == (0.0, 2.5)
     assert patient.sources["silent_give_up_seconds"] == "KVD_ROUTER_SILENT_GIVE_UP_SECONDS"
+    assert from_file.max_file_bytes == 200 * 2**20  # as kvd serve's
+    assert resolve_router({"max_file_bytes": "1GiB"}, {}, path).max_file_bytes == 2**30
 
 
 @pytest.mark.parametrize("text, flags, message", [
@@ -244,6 +246,8 @@ def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_pa
     ("socket: /r.sock\nreplicas: [/a, 3]\n", {}, "replicas: invalid value ['/a', 3] from {path}: must be socket paths"),
     ("socket: /r.sock\nreplicas: [/a, /b]\nreply_ids_bytes: plenty\n", {},
      "reply_ids_bytes: invalid value 'plenty' from {path}: must be a size in bytes"),
+    ("socket: /r.sock\nreplicas: [/a, /b]\n", {"max_file_bytes": "1KiB"},
+     "max_file_bytes: invalid value '1KiB' from --max-file-bytes: must be at least 4KiB"),
     ("socket: /r.sock\nreplicas: [/a, /b]\ngc_freeze: sometimes\n", {},
      "gc_freeze: invalid value 'sometimes' from {path}: must be on or off (true/false, yes/no, 1/0)"),
 ])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 
 pytest.importorskip("torch")
@@ -102,3 +103,54 @@ def test_a_batch_is_served_where_its_file_is_and_found_there_by_a_router_that_di
     from .test_file_budgets import shown as files_shown  # (kvctl files at the router: each replica's)
     assert f"replica {first} {seen['uploads'][0].json()['id']} batch" in files_shown(files.json(), done["created_at"])
     assert deleted.status_code == 200 and deleted.json()["replica"] == first and deleted.json()["tenant"] == "default"
+
+
+class ClosesAfterReading(httpx.AsyncBaseTransport):
+    """A replica that reads a request's whole body, then closes the connection without answering."""
+
+    def __init__(self) -> None:
+        self.read: list[bytes] = []
+
+    async def handle_async_request(self, request):
+        self.read.append(b"".join([piece async for piece in request.stream]))
+        raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
+
+
+def test_an_upload_goes_on_in_pieces_and_whole_again_to_the_next_replica_when_one_closes_reading_it(replicas):
+    from kvctl.daemon.server.router import UPLOAD_PIECE, create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService
+    from kvctl.policies.routing import make_router
+
+    from .test_router import Counting, replica_client
+
+    closing = ClosesAfterReading()
+    fleet = [Replica("replica-0", replica_client("/run/replica-0.sock", transport=closing)),
+             Replica("replica-1", replica_client("/run/replica-1.sock", transport=Counting(replicas[1])))]
+    service = RouterService(fleet, make_router("round_robin"), view="ask", load_interval=0.05)
+    content = lines(1, "System.") * (3 * UPLOAD_PIECE // len(lines(1, "System.")) + 1)  # (over 3 pieces)
+
+    async def upload(client):
+        uploaded = await client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+        return uploaded, await client.get(f"/v1/files/{uploaded.json()['id']}/content")
+
+    [(uploaded, read_back)] = drive(create_router_app(service), [upload])
+    assert uploaded.status_code == 200 and uploaded.headers["x-kvd-replica"] == "replica-1"
+    assert uploaded.json()["bytes"] == len(content) and read_back.content == content
+    [sent] = closing.read  # the whole form went to replica-0, and the whole of it again to replica-1
+    assert content in sent and fleet[0].rerouted == 1
+
+
+def test_an_upload_over_the_router_s_max_file_bytes_is_a_413_naming_it(replicas):
+    from kvctl.daemon.server.router import create_router_app
+
+    service, _ = router_app(replicas, "round_robin")
+    app = create_router_app(service, max_file_bytes=8192)
+
+    async def uploads(client):
+        return [await client.post("/v1/files", files={"file": ("in.jsonl", lines(n, "S."))}, data={"purpose": "batch"})
+                for n in (1, 200)]
+
+    [(small, big)] = drive(app, [uploads])
+    assert small.status_code == 200
+    assert big.status_code == 413 and big.json()["error"]["message"].endswith(
+        " bytes is over max_file_bytes (8,192); upload a smaller file (a batch's input in parts)")

@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from urllib.parse import quote, urlencode
@@ -38,6 +39,7 @@ from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvctl import __version__ as kvctl_version
+from kvctl.daemon.config import MAX_FILE_BYTES
 from kvctl.policies.routing import ROUTING_POLICIES
 
 from .replica_errors import answer_described, described, kvd_json
@@ -153,10 +155,21 @@ class Refused(Exception):
         self.status, self.code = status, code
 
 
+UPLOAD_PIECE = 2**20  # an upload's bytes the router holds in memory, and sends at a time
+
+
+async def file_pieces(spooled):
+    """`spooled`'s bytes from its start, UPLOAD_PIECE at a time (an upload sent on)."""
+    spooled.seek(0)
+    while piece := spooled.read(UPLOAD_PIECE):
+        yield piece
+
+
 def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**20, *, front: str = "unix",
-                      tokens: TokenTable | None = None, metrics: RouterMetrics | None = None) -> FastAPI:
-    """The router's front; a body over `max_request_bytes` is refused (413) before it is read
-    whole, as kvd refuses it.
+                      tokens: TokenTable | None = None, metrics: RouterMetrics | None = None,
+                      max_file_bytes: int = MAX_FILE_BYTES) -> FastAPI:
+    """The router's front; a body over `max_request_bytes` (an upload to /v1/files: over
+    `max_file_bytes`) is refused (413) before it is read whole, as kvd refuses it.
 
     front "unix": callers are trusted (the socket's mode says who may connect), act as admin, and
     their X-KVD-Tenant passes through. front "tcp": every request but /healthz needs a bearer
@@ -168,7 +181,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     if front == "tcp" and tokens is None:
         raise ValueError("front: a tcp front needs the callers' tokens")
     app = FastAPI(title="kvd router", docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, limit=lambda: max_request_bytes)
+    app.add_middleware(BodyLimit, limit=lambda: max_request_bytes, file_limit=lambda: max_file_bytes)
     metrics = metrics or RouterMetrics(service)
     prefill_warnings = EveryFewSeconds(log)  # (one a request while no prefill replica answers)
 
@@ -604,11 +617,13 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def create_conversation(http: Request, who: Caller = Depends(caller)):
         return await made_at_home("/v1/conversations", http, who)
 
-    async def made_at_home(path: str, http: Request, who: Caller) -> Response:
+    async def made_at_home(path: str, http: Request, who: Caller, spooled=None) -> Response:
         """A conversation (or a file, /v1/files) made at `conversation_home`'s choice, its id noted
         as kept there. One that cannot be reached, closes the connection before answering (once,
-        as forward) or is stopping (503) has made none: the next is tried."""
-        content, excluded, tried, closed_retried = await http.body(), set(), [], False
+        as forward) or is stopping (503) has made none: the next is tried. `spooled`: the body,
+        in a file (an upload), sent from its start to each replica tried."""
+        content = await http.body() if spooled is None else spooled
+        excluded, tried, closed_retried = set(), [], False
         media = http.headers.get("content-type")
         while (replica := service.conversation_home(excluded)) is not None:
             try:
@@ -645,7 +660,12 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     # served where its input file is kept (its output files are written there too)
     @app.post("/v1/files")
     async def upload_file(http: Request, who: Caller = Depends(caller)):
-        return await made_at_home("/v1/files", http, who)
+        """An upload, kept in a file as it comes (a MiB in memory at most: 200 MiB uploads at once
+        would otherwise sit in the router's memory), then sent on a piece at a time."""
+        with tempfile.SpooledTemporaryFile(max_size=UPLOAD_PIECE) as spooled:
+            async for piece in http.stream():
+                spooled.write(piece)
+            return await made_at_home("/v1/files", http, who, spooled)
 
     @app.api_route("/v1/files/{file_id}", methods=["GET", "DELETE"])
     async def kept_file(file_id: str, http: Request, who: Caller = Depends(caller)):
@@ -793,10 +813,14 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
 
     async def relayed_or_raise(replica, method: str, path: str, who: Caller, params=None,
-                               content: bytes | None = None, media: str | None = None) -> Response:
-        """relayed's work; httpx.HTTPError where the replica failed to answer. `media`: the body's
-        content type where it is not JSON (a file uploaded as multipart form data)."""
+                               content=None, media: str | None = None) -> Response:
+        """relayed's work; httpx.HTTPError where the replica failed to answer. `content`: the body,
+        bytes or a file (sent from its start, a piece at a time); `media`: its content type where it
+        is not JSON (a file uploaded as multipart form data)."""
         headers = {"X-KVD-Tenant": who.tenant} if who.tenant is not None else {}
+        if content is not None and not isinstance(content, bytes):
+            headers["Content-Length"] = str(content.seek(0, 2))
+            content = file_pieces(content)
         if content:
             headers["Content-Type"] = media or "application/json"
         streamed = params is not None and str(params.get("stream", "")).lower() in ("true", "1")
