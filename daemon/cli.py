@@ -132,6 +132,9 @@ def serve(
         None, help="Per-tenant queue wait limits in seconds overriding --max-queue-wait, e.g. batch=600,chat=10 "
                    "(0: none for that tenant). Live on a reload."),
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
+    batch_via: Optional[str] = typer.Option(
+        None, help="A kvd router's Unix socket: /v1/batches' requests go through it, spread across its fleet by "
+                   "their prompts (default: served here). Live on a reload."),
     max_file_bytes: Optional[str] = typer.Option(
         None, help="Largest file POST /v1/files takes, e.g. 200MiB (413 above; default 200MiB). Live on a reload."),
     files_store_bytes: Optional[str] = typer.Option(
@@ -293,7 +296,7 @@ def serve(
                    max_queue=max_queue, max_queue_wait=max_queue_wait, max_tenant_requests=max_tenant_requests,
                    tenant_request_limits=tenant_request_limits, tenant_queue_waits=tenant_queue_waits,
                    max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
-                   batch_concurrency=batch_concurrency, max_file_bytes=max_file_bytes,
+                   batch_concurrency=batch_concurrency, batch_via=batch_via, max_file_bytes=max_file_bytes,
                    files_store_bytes=files_store_bytes, tenant_files_bytes=tenant_files_bytes,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
                    conversations_store_bytes=conversations_store_bytes, truncation_headroom=truncation_headroom,
@@ -342,7 +345,7 @@ SERVE_HELP_PANELS = {
                          "socket_path", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
                          "trusted_proxy", "max_request_bytes",
                          "responses_store_bytes", "responses_store_file", "responses_max_age", "batch_concurrency",
-                         "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
+                         "batch_via", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
                          "conversations_store_bytes", "reply_ids_bytes", "truncation_headroom",
                          "shutdown_timeout", "engine_stall_exit_seconds", "gc_freeze", "gc_warn_seconds",
                          "log_level", "log_format",

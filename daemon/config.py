@@ -272,6 +272,9 @@ class KvdConfig:
     responses_store_bytes: int = 64 * 2**20
     # requests of /v1/batches served at once, across every tenant's batches (each batch's in turn)
     batch_concurrency: int = 8
+    # a kvd router's Unix socket: a batch's requests are sent through it, spread across its fleet by their
+    # prompts, as the batch's tenant (the socket's callers are trusted); None: served by this kvd alone
+    batch_via: str | None = None
     # a SQLite file the kept responses are written to as well, and read back from at start, so a
     # restart keeps them (response_file.py); None: memory only
     responses_store_file: str | None = None
@@ -462,6 +465,9 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 0")
     if name == "trace_block_tokens" and value not in TRACE_BLOCK_SIZES:
         raise ValueError(f"must be one of {', '.join(map(str, TRACE_BLOCK_SIZES))}")
+    if name == "batch_via" and value is not None and (not str(value).startswith("/") or "://" in str(value)):
+        raise ValueError("must be the path of a kvd router's Unix socket (its TCP front serves each token's "
+                         "tenant, not the batch's)")
     if name in ("max_request_bytes", "max_file_bytes") and value < 4096:
         raise ValueError("must be at least 4KiB")
     if name == "files_store_bytes" and value < 0:

@@ -53,7 +53,8 @@ def batches_view(d: dict, now: float | None = None) -> Group:
     served = d["served"]
     parts.append(Text(f"{len(d['batches']):,} batches kept; {d['concurrency']:,} requests served at once "
                       f"(batch_concurrency); since kvd started {served['completed']:,} answered 2xx, "
-                      f"{served['failed']:,} failed"))
+                      f"{served['failed']:,} failed"
+                      + (f"; sent through kvd router at {d['via']} (batch_via)" if d.get("via") else "")))
     return Group(*parts)
 
 

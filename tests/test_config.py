@@ -49,6 +49,8 @@ def test_precedence_flag_env_file_default(tmp_path):
     ({}, {"KVD_MAX_LORAS": "0"}, "max_loras: invalid value '0' from KVD_MAX_LORAS: must be >= 1"),
     ({"max_request_bytes": "1KiB"}, {}, "max_request_bytes: invalid value '1KiB' from --max-request-bytes: "
                                         "must be at least 4KiB"),
+    ({"batch_via": "http://router:8000"}, {}, "batch_via: invalid value 'http://router:8000' from --batch-via: must "
+     "be the path of a kvd router's Unix socket (its TCP front serves each token's tenant, not the batch's)"),
     ({"max_file_bytes": "2KiB"}, {}, "max_file_bytes: invalid value '2KiB' from --max-file-bytes: must be at least "
                                      "4KiB"),
     ({}, {"KVD_FILES_STORE_BYTES": "-1"}, "files_store_bytes: invalid value '-1' from KVD_FILES_STORE_BYTES: must be "

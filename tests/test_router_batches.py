@@ -154,3 +154,124 @@ def test_an_upload_over_the_router_s_max_file_bytes_is_a_413_naming_it(replicas)
     assert small.status_code == 200
     assert big.status_code == 413 and big.json()["error"]["message"].endswith(
         " bytes is over max_file_bytes (8,192); upload a smaller file (a batch's input in parts)")
+
+
+class Tally(httpx.AsyncBaseTransport):
+    """A replica's app, counting the chat completions it is sent and the tenant each is sent as."""
+
+    def __init__(self, app) -> None:
+        self.inner, self.chats = httpx.ASGITransport(app=app), []
+
+    async def handle_async_request(self, request):
+        if request.url.path == CHAT:
+            self.chats.append(request.headers.get("x-kvd-tenant"))
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """Two replicas (kvd services, the first sending its batches' requests through the router:
+    batch_via) and a round-robin kvd router over them: (services, router unix app, tallies)."""
+    from kvctl.daemon.server.app import create_app
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService
+    from kvctl.policies.routing import make_router
+
+    from .daemon_fixtures import start_service
+    from .test_router import replica_client
+
+    services = [start_service(tmp_path / f"r{i}", num_blocks=64, **({"batch_via": "/run/kvd/router.sock"}
+                                                                    if i == 0 else {})) for i in range(2)]
+    try:
+        tallies = [Tally(create_app(s, s.metrics, front="unix")) for s in services]
+        fleet = [Replica(f"replica-{i}", replica_client(f"/run/replica-{i}.sock", transport=t))
+                 for i, t in enumerate(tallies)]
+        router = create_router_app(RouterService(fleet, make_router("round_robin"), view="ask", load_interval=0.05))
+        services[0].batches.transport_to = lambda socket: httpx.ASGITransport(app=router)
+        yield services, router, tallies
+    finally:
+        for service in services:
+            service.shutdown(deadline=5)
+
+
+def test_with_batch_via_a_batch_s_requests_go_through_the_router_to_every_replica_as_its_tenant(fleet):
+    from .daemon_fixtures import call
+
+    services, _, tallies = fleet
+    home = services[0].batches.lines_app  # (the first replica's Unix app: create_app set it)
+    content = lines(6, "System for the fleet.")
+
+    async def go():
+        transport = httpx.ASGITransport(app=home)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
+            uploaded = await client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"},
+                                         headers={"X-KVD-Tenant": "acme"})
+            made = await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT,
+                                                          "completion_window": "24h"}, headers={"X-KVD-Tenant": "acme"})
+            done = await ended_as(client, made.json()["id"], "acme")
+            output = await client.get(f"/v1/files/{done.json()['output_file_id']}/content",
+                                      headers={"X-KVD-Tenant": "acme"})
+            return done.json(), output
+
+    done, output = asyncio.run(go())
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert [json.loads(row)["custom_id"] for row in output.text.splitlines()] == [f"c{i}" for i in range(6)]
+    assert [len(t.chats) for t in tallies] == [3, 3]  # round robin: each replica half of them
+    assert {tenant for t in tallies for tenant in t.chats} == {"acme"}
+    seen = call(home, "GET", "/admin/batches").json()
+    assert seen["via"] == "/run/kvd/router.sock"
+    from .test_batches_api import shown
+    assert shown(seen, now=done["created_at"]).endswith(
+        "0 failed; sent through kvd router at /run/kvd/router.sock (batch_via)")
+
+
+async def ended_as(client, batch_id: str, tenant: str):
+    for _ in range(1200):
+        answer = await client.get(f"/v1/batches/{batch_id}", headers={"X-KVD-Tenant": tenant})
+        if answer.json()["status"] in ("completed", "failed", "expired", "cancelled"):
+            return answer
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{batch_id} did not end")
+
+
+class Flaky(httpx.AsyncBaseTransport):
+    """The router's socket: refusing connections `down` times, then answering 502 `failing` times
+    (a replica that failed), then the router itself."""
+
+    def __init__(self, router, down: int, failing: int) -> None:
+        self.inner, self.down, self.failing = httpx.ASGITransport(app=router), down, failing
+
+    async def handle_async_request(self, request):
+        if self.down:
+            self.down -= 1
+            raise httpx.ConnectError("connection refused", request=request)
+        if self.failing:
+            self.failing -= 1
+            return httpx.Response(502, json={"error": {"message": "replica replica-0 failed",
+                                                       "code": "replica_failed"}})
+        return await self.inner.handle_async_request(request)
+
+
+def test_a_router_down_or_a_replica_failing_behind_it_has_the_line_served_again_not_failed(fleet, caplog):
+    services, router, _ = fleet
+    flaky = Flaky(router, down=3, failing=2)
+    services[0].batches.transport_to = lambda socket: flaky
+    home = services[0].batches.lines_app
+
+    async def go():
+        transport = httpx.ASGITransport(app=home)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
+            uploaded = await client.post("/v1/files", files={"file": ("in.jsonl", lines(4, "S."))},
+                                         data={"purpose": "batch"})
+            made = await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT,
+                                                          "completion_window": "24h"})
+            return (await ended_as(client, made.json()["id"], "default")).json()
+
+    with caplog.at_level("WARNING", logger="kvd"):
+        done = asyncio.run(go())
+    assert (flaky.down, flaky.failing) == (0, 0)
+    assert done["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+    sent = [r.getMessage() for r in caplog.records if "could not be sent" in r.getMessage()]
+    assert sent[0].startswith("batch " + done["id"] + ": a request could not be sent to kvd router at "
+                              "/run/kvd/router.sock (ConnectError: connection refused); it is served again")
+    assert len(sent) == 1  # (the others like it held back: one line every few seconds)

@@ -37,12 +37,17 @@ import httpx
 from kvctl.daemon.whole_file import write_json_whole, write_whole
 
 from .batch_files import FileError, FileStore
+from .log_throttle import EveryFewSeconds
+from .replica_errors import described
 from .batch_lines import ENDPOINTS, BatchLine, prompt_order, read_body, read_lines
 
 log = logging.getLogger("kvd")
 
 WINDOWS = {"24h": 86_400}  # OpenAI's only completion window
 RETRY_S = 1.0  # a line answered 429 or 503 is served again after this
+SERVED_AGAIN = (429, 503)  # a full queue, kvd asleep, draining or stopping: not the line's fault
+VIA_SERVED_AGAIN = (*SERVED_AGAIN, 502, 504)  # through kvd router, also a replica that failed or went silent
+VIA_CONNECT_S = 5.0  # to connect to the router's socket (a router down: the line is served again later)
 ENDED = ("completed", "failed", "expired", "cancelled")
 STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *ENDED)
 ACTIVE = ("in_progress", "finalizing", "cancelling")  # what the supervisor serves or ends
@@ -183,14 +188,19 @@ class Batch:
 
 class BatchRunner:
     """Every tenant's batches, served `concurrency()` lines at a time through `lines_app` (kvd's
-    Unix-socket app: its tenant header names each batch's tenant)."""
+    Unix-socket app: its tenant header names each batch's tenant), or where `via()` names a kvd
+    router's Unix socket, through that router: it spreads them across its fleet by their prompts
+    (the socket's callers are trusted, so the tenant header passes on to the replica)."""
 
     def __init__(self, folder: str | Path, files: FileStore, concurrency: Callable[[], int],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, via: Callable[[], str | None] = lambda: None) -> None:
         self.folder = Path(folder)
         self.files = files
         self.concurrency = concurrency
         self.clock = clock
+        self.via = via
+        self.unsent_warnings = EveryFewSeconds(log)  # (a router down: one line a few seconds, not one a request)
+        self.transport_to = lambda socket: httpx.AsyncHTTPTransport(uds=socket)  # (a router's socket; tests swap it)
         self.lines_app = None  # set by create_app(front="unix")
         self.stopping = False  # kvd is stopping: no line is handed out
         self.batches: dict[str, Batch] = {}
@@ -293,8 +303,17 @@ class BatchRunner:
 
     async def _supervise(self) -> None:
         serving: set[asyncio.Task] = set()
-        transport = httpx.ASGITransport(app=self.lines_app, raise_app_exceptions=False)  # (a 500, answered)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvd-batch", timeout=None) as client:
+        clients: dict[str | None, httpx.AsyncClient] = {}  # by where lines go: None, here; else a router's socket
+
+        def client_for(via: str | None) -> httpx.AsyncClient:
+            if via not in clients:
+                transport = self.transport_to(via) if via is not None else \
+                    httpx.ASGITransport(app=self.lines_app, raise_app_exceptions=False)  # (a 500, answered)
+                clients[via] = httpx.AsyncClient(transport=transport, base_url="http://kvd-batch",
+                                                 timeout=httpx.Timeout(None, connect=VIA_CONNECT_S))
+            return clients[via]
+
+        try:
             while True:
                 await self._settle()
                 if not serving and not any(b.status in ACTIVE for b in list(self.batches.values())):
@@ -303,7 +322,8 @@ class BatchRunner:
                     taken = self._next()
                     if taken is None:
                         break
-                    task = asyncio.create_task(self._serve(client, *taken))
+                    via = self.via()
+                    task = asyncio.create_task(self._serve(client_for(via), *taken, via is not None))
                     # (a callback: it runs for a task cancelled before it started too, as at kvd's stop)
                     task.add_done_callback(lambda _, batch=taken[0]: self._ended_one(batch))
                     serving.add(task)
@@ -314,6 +334,9 @@ class BatchRunner:
                 serving -= done
                 for task in waits - serving - done:
                     task.cancel()
+        finally:
+            for client in clients.values():
+                await client.aclose()
 
     def _next(self) -> tuple[Batch, BatchLine] | None:
         """The next line to serve, from each running batch in turn (the one with fewest in flight first)."""
@@ -333,7 +356,8 @@ class BatchRunner:
             return batch, line
         return None
 
-    async def _serve(self, client: httpx.AsyncClient, batch: Batch, line: BatchLine) -> None:
+    async def _serve(self, client: httpx.AsyncClient, batch: Batch, line: BatchLine, via_router: bool = False
+                     ) -> None:
         request_id = "batch_req_" + uuid.uuid4().hex
         try:
             body = self._body(batch, line)  # (a line's bytes from a local file: read on the loop, as httpx sends them)
@@ -348,11 +372,11 @@ class BatchRunner:
             answer = await client.post(batch.endpoint, json=body,
                                        headers={"X-KVD-Tenant": batch.tenant, "X-Request-Id": request_id})
             status = answer.status_code
-        except httpx.HTTPError as exc:  # (kvd's own app, in process: not expected) served again
-            log.warning("batch %s: a request could not be served (%s); it is served again", batch.id,
-                        type(exc).__name__)
+        except httpx.HTTPError as exc:  # (kvd's own app, in process: not expected; a router down) served again
+            self.unsent_warnings.warning("batch %s: a request could not be sent%s (%s); it is served again", batch.id,
+                                         f" to kvd router at {self.via()}" if via_router else "", described(exc))
             status = 503
-        if status in (429, 503) or self.stopping:  # (a full queue, kvd asleep, draining or stopping): again later
+        if status in (VIA_SERVED_AGAIN if via_router else SERVED_AGAIN) or self.stopping:  # again later
             batch.retry.append(line)
             batch.retry_at = self.clock() + RETRY_S
         else:

@@ -155,7 +155,7 @@ class EngineService:
         self.files = FileStore(Path(config.state_dir) / "files", budgets=lambda: FileBudgets(
             self.config.files_store_bytes, self.config.tenant_files_bytes))
         self.batches = BatchRunner(Path(config.state_dir) / "batches", self.files,
-                                   lambda: self.config.batch_concurrency)
+                                   lambda: self.config.batch_concurrency, via=lambda: self.config.batch_via)
         self._reply_ids_read = False  # read back from the state directory once, at the first load
         self.hub_name: str | None = None  # the model's Hugging Face id, where --model named one (hub_cache.py)
         self.ready = threading.Event()
