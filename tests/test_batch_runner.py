@@ -155,6 +155,24 @@ def test_at_most_concurrency_lines_run_at_once_taking_each_batch_in_turn(tmp_pat
     assert [d["request_counts"]["completed"] for d in done] == [12, 3]
 
 
+def test_a_tenant_with_many_batches_takes_no_more_of_the_lines_at_once_than_one_with_one(tmp_path):
+    stand_in = StandIn()
+    runner = runner_for(tmp_path, stand_in, concurrency=2)
+    many = [upload(runner, "acme", [line(f"a{b}-{i}", f"acme {b} {i}") for i in range(6)]) for b in range(3)]
+    one = upload(runner, "globex", [line(f"g{i}", f"globex {i}") for i in range(6)])
+
+    async def go():
+        made = [runner.create("acme", file_id, CHAT, "24h", {}) for file_id in many]
+        made.append(runner.create("globex", one, CHAT, "24h", {}))
+        return [await ended(runner, batch.id) for batch in made]
+
+    done = asyncio.run(go())
+    tenants = [tenant for tenant, _, _ in stand_in.asked]
+    # globex's 6 lines were served as fast as acme's, not one in four: all among the first 13 of 24
+    assert tenants.count("globex") == 6 and [i for i, t in enumerate(tenants) if t == "globex"][-1] < 13
+    assert [d["request_counts"]["completed"] for d in done] == [6, 6, 6, 6]
+
+
 def test_a_line_answered_429_or_503_is_served_again_and_not_counted_failed(tmp_path):
     stand_in = StandIn()
     refusals = [429, 503]

@@ -7,8 +7,8 @@ and error files are written, then `completed`; `cancelling` then `cancelled` whe
 an operator) cancels it, `expired` where its completion window (24 h) passes first. Lines are
 served through kvd's own API as the batch's tenant, as if each came over the socket, with
 `service_tier: "flex"` where the line names no tier (under a priority queue, behind what callers
-wait for); `batch_concurrency` lines at a time across all batches, taken from each running batch
-in turn, each batch's in the order of its prompts (lines that begin alike one after another).
+wait for); `batch_concurrency` lines at a time across all batches, taken from each tenant in turn
+and each of its running batches in turn, each batch's in the order of its prompts (lines that begin alike one after another).
 
 What a batch has served is appended to `state_dir/batches/<id>.done.jsonl` as each line ends, and
 the batch itself (`<id>.json`) is written whole at each change of status: after a restart, kvd
@@ -28,6 +28,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -339,10 +340,15 @@ class BatchRunner:
                 await client.aclose()
 
     def _next(self) -> tuple[Batch, BatchLine] | None:
-        """The next line to serve, from each running batch in turn (the one with fewest in flight first)."""
+        """The next line to serve, from each tenant in turn, then each of its batches (the tenant
+        with fewest lines in flight first, then its batch with fewest): a tenant that sends ten
+        batches takes no more of batch_concurrency than one that sends one."""
         now = self.clock()
         running = [b for b in list(self.batches.values()) if b.status == "in_progress" and now < b.expires_at]
-        for batch in sorted(running, key=lambda b: b.in_flight):
+        tenants_in_flight = Counter()
+        for batch in running:
+            tenants_in_flight[batch.tenant] += batch.in_flight
+        for batch in sorted(running, key=lambda b: (tenants_in_flight[b.tenant], b.in_flight)):
             if not batch.pending():
                 continue
             if batch.retry and batch.retry_at <= now:
