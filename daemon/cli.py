@@ -132,6 +132,9 @@ def serve(
         None, help="Per-tenant queue wait limits in seconds overriding --max-queue-wait, e.g. batch=600,chat=10 "
                    "(0: none for that tenant). Live on a reload."),
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
+    webhooks_file: Optional[str] = typer.Option(
+        None, help="OpenAI's webhooks when a batch or background response ends: TENANT URL SECRET lines (* for "
+                   "every tenant not named; secrets from kvd webhook-secret), mode 0600 or 0640. Re-read on reload."),
     batch_via: Optional[str] = typer.Option(
         None, help="A kvd router's Unix socket: /v1/batches' requests go through it, spread across its fleet by "
                    "their prompts (default: served here). Live on a reload."),
@@ -296,7 +299,7 @@ def serve(
                    max_queue=max_queue, max_queue_wait=max_queue_wait, max_tenant_requests=max_tenant_requests,
                    tenant_request_limits=tenant_request_limits, tenant_queue_waits=tenant_queue_waits,
                    max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
-                   batch_concurrency=batch_concurrency, batch_via=batch_via, max_file_bytes=max_file_bytes,
+                   batch_concurrency=batch_concurrency, batch_via=batch_via, webhooks_file=webhooks_file, max_file_bytes=max_file_bytes,
                    files_store_bytes=files_store_bytes, tenant_files_bytes=tenant_files_bytes,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
                    conversations_store_bytes=conversations_store_bytes, truncation_headroom=truncation_headroom,
@@ -345,7 +348,7 @@ SERVE_HELP_PANELS = {
                          "socket_path", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
                          "trusted_proxy", "max_request_bytes",
                          "responses_store_bytes", "responses_store_file", "responses_max_age", "batch_concurrency",
-                         "batch_via", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
+                         "batch_via", "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
                          "conversations_store_bytes", "reply_ids_bytes", "truncation_headroom",
                          "shutdown_timeout", "engine_stall_exit_seconds", "gc_freeze", "gc_warn_seconds",
                          "log_level", "log_format",
@@ -489,6 +492,7 @@ async def _serve(settings, re_resolve) -> int:
         fronts.serve(tcp_app, sockets=[tcp_sock], ssl_context=tls.context if tls else None)
     keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
     service.batches.start()  # what was left of each batch at the last stop
+    service.webhooks.start()  # the events not delivered before it
     await stopping.wait()
     keeper.cancel()
     await loop.run_in_executor(None, service.shutdown)
@@ -769,6 +773,16 @@ async def _every(seconds: float, job, at_once: bool = False) -> None:
     while True:
         await asyncio.sleep(seconds)
         job()
+
+
+@app.command("webhook-secret")
+def webhook_secret() -> None:
+    """Print a new signing secret for webhooks_file (whsec_ and 32 random bytes in base64, as OpenAI's
+    dashboard gives one): the third field of a TENANT URL SECRET line, and what the tenant's
+    receiver verifies with (`client.webhooks.unwrap(body, headers, secret=...)`)."""
+    from kvctl.daemon.server.webhooks import new_secret
+
+    print(new_secret())
 
 
 def _rotate_certificate(tls) -> None:

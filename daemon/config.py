@@ -275,6 +275,9 @@ class KvdConfig:
     # a kvd router's Unix socket: a batch's requests are sent through it, spread across its fleet by their
     # prompts, as the batch's tenant (the socket's callers are trusted); None: served by this kvd alone
     batch_via: str | None = None
+    # OpenAI's webhooks when a batch or a background response ends: TENANT URL SECRET lines, * for every tenant
+    # not named (server/webhooks.py); re-read on reload; None: none sent
+    webhooks_file: str | None = None
     # a SQLite file the kept responses are written to as well, and read back from at start, so a
     # restart keeps them (response_file.py); None: memory only
     responses_store_file: str | None = None

@@ -194,12 +194,14 @@ class BatchRunner:
     (the socket's callers are trusted, so the tenant header passes on to the replica)."""
 
     def __init__(self, folder: str | Path, files: FileStore, concurrency: Callable[[], int],
-                 clock: Callable[[], float] = time.time, via: Callable[[], str | None] = lambda: None) -> None:
+                 clock: Callable[[], float] = time.time, via: Callable[[], str | None] = lambda: None,
+                 on_end: Callable[["Batch"], object] = lambda batch: None) -> None:
         self.folder = Path(folder)
         self.files = files
         self.concurrency = concurrency
         self.clock = clock
         self.via = via
+        self.on_end = on_end  # told of each batch that ends (its webhook), from any thread
         self.unsent_warnings = EveryFewSeconds(log)  # (a router down: one line a few seconds, not one a request)
         self.transport_to = lambda socket: httpx.AsyncHTTPTransport(uds=socket)  # (a router's socket; tests swap it)
         self.lines_app = None  # set by create_app(front="unix")
@@ -243,6 +245,8 @@ class BatchRunner:
             batch.status, batch.stamps["in_progress_at"] = "in_progress", now
         self._save(batch)
         self.batches[batch.id] = batch
+        if batch.status == "failed":
+            self.on_end(batch)
         self._kick()
         return batch
 
@@ -471,6 +475,7 @@ class BatchRunner:
         batch.status = ending
         batch.stamps[f"{ending}_at"] = int(now)
         self._save(batch)
+        self.on_end(batch)
         batch.lines, batch.retry, batch.done = [], [], set()  # (in its files now: not held in memory)
         done.unlink(missing_ok=True)
         log.info("batch %s of tenant %s %s: %d of %d requests answered 2xx", batch.id, batch.tenant, ending,
@@ -502,6 +507,7 @@ class BatchRunner:
                 batch.errors = [{"code": "input_file_missing", "message": f"its input file could not be read again "
                                  f"when kvd started: {exc}", "param": "input_file_id", "line": None}]
                 self._save(batch)
+                self.on_end(batch)
                 continue
             batch.lines = prompt_order(lines)
             done = self.folder / f"{batch.id}.done.jsonl"

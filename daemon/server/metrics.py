@@ -371,6 +371,14 @@ class _EngineCollector:
         for outcome, n in batches["served"].items():
             family.add_metric([outcome], n)
         yield family
+        hooks = self.service.webhooks.figures()  # webhooks.py
+        yield GaugeMetricFamily("kvd_webhooks_pending", "Webhook events not delivered yet (tried again with backoff "
+                                "for up to 3 days)", value=hooks["pending"])
+        family = CounterMetricFamily("kvd_webhook_deliveries", "Webhook delivery attempts: delivered (2xx), retried "
+                                     "(answered otherwise, or not at all) or dropped (given up)", labels=["outcome"])
+        for outcome in ("delivered", "retried", "dropped"):
+            family.add_metric([outcome], hooks[outcome])
+        yield family
         files = self.service.files  # /v1/files (batch_files.py)
         yield GaugeMetricFamily("kvd_files", "Files kvd keeps (/v1/files: uploads and batches' outputs)",
                                 value=len(files.files))

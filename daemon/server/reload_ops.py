@@ -24,6 +24,7 @@ from .auth import TokenFileError, TokenTable
 from .calls import ServiceError
 from .lora_ops import served_modules, standing_changes
 from .tls import TlsFileError
+from .webhooks import WebhooksFileError, read_endpoints
 
 log = logging.getLogger("kvd")
 
@@ -35,7 +36,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
                  "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
                  "prompt_cache_retention", "tenant_prompt_cache_retention", "predicted_outputs", "log_requests",
-                 "batch_concurrency", "batch_via", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
+                 "batch_concurrency", "batch_via", "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
                  "log_stats_interval",
                  "lora_modules", "lora_runtime_updates", "max_loras", "speculative_config", "responses_max_age",
                  "truncation_headroom", "responses_store_bytes", "conversations_store_bytes",
@@ -88,7 +89,8 @@ def _reload_from_source(service, actor: str) -> dict:
         fresh = TokenTable.load(service.config.token_file) if service.tokens is not None else None
         tls_files = service.tls.read_again() if service.tls is not None else None  # a rotated certificate or CAs
         adapters = read_adapters(service, new)
-    except (ConfigError, TokenFileError, TlsFileError) as exc:
+        endpoints = read_endpoints(new.webhooks_file) if new.webhooks_file else {}
+    except (ConfigError, TokenFileError, TlsFileError, WebhooksFileError) as exc:
         refused = ServiceError(400, REFUSED + str(exc), "config")
         _count_refused(service, actor, refused)
         raise refused from None
@@ -100,6 +102,7 @@ def _reload_from_source(service, actor: str) -> dict:
         raise
     service.reloads["ok"] += 1
     service.last_reload = {"at": time.time(), "result": "ok", "error": None, "actor": actor}
+    service.webhook_endpoints = endpoints  # (events waiting go to the endpoints the file names now)
     if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens
         result["tokens"] = service.tokens.adopt(fresh)
         service.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",

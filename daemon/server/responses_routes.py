@@ -25,6 +25,7 @@ from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputI
 from .response_logprobs import AnswerLogprobs
 from .durations import format_duration
 from .response_runs import Run, settled
+from .webhooks import EVENT_TYPES
 from .response_store import REPLAY_S
 from .response_truncation import fitting_cut, kept_from
 from .responses_input import input_items, input_messages
@@ -308,6 +309,9 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                     ended_failed(body, who, head, items, stopped, conversation, inputs, turn)
                 run.end(items.response)
                 service.responses.ended(head["id"], run)
+                ended_as = f"response.{items.response['status']}"
+                if ended_as in EVENT_TYPES:  # (its tenant's webhook, where webhooks_file names one)
+                    service.webhooks.send(who.tenant, ended_as, head["id"])
 
         service.responses.begin(head["id"], run)
         run.task = asyncio.get_running_loop().create_task(drive())

@@ -46,6 +46,7 @@ from kvctl.policies.queue_order import by_priority
 from . import device_loss, lora_ops, pin_ops, reasoning, reload_ops, response_admin, tier_ops, tool_calls, weights_ops
 from .admin_slots import WriteSlots
 from .batch_files import FileBudgets, FileStore
+from .webhooks import Webhooks, read_endpoints
 from .batches import BatchRunner
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
@@ -154,8 +155,13 @@ class EngineService:
         # /v1/files and /v1/batches: kept in the state folder, served from it again after a restart
         self.files = FileStore(Path(config.state_dir) / "files", budgets=lambda: FileBudgets(
             self.config.files_store_bytes, self.config.tenant_files_bytes))
+        # OpenAI's webhooks to each tenant's endpoint when its batch or background response ends
+        self.webhook_endpoints = read_endpoints(config.webhooks_file) if config.webhooks_file else {}
+        self.webhooks = Webhooks(Path(config.state_dir) / "webhooks", lambda: self.webhook_endpoints)
         self.batches = BatchRunner(Path(config.state_dir) / "batches", self.files,
-                                   lambda: self.config.batch_concurrency, via=lambda: self.config.batch_via)
+                                   lambda: self.config.batch_concurrency, via=lambda: self.config.batch_via,
+                                   on_end=lambda batch: self.webhooks.send(batch.tenant, f"batch.{batch.status}",
+                                                                           batch.id))
         self._reply_ids_read = False  # read back from the state directory once, at the first load
         self.hub_name: str | None = None  # the model's Hugging Face id, where --model named one (hub_cache.py)
         self.ready = threading.Event()

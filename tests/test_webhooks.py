@@ -1,0 +1,221 @@
+"""OpenAI's webhooks sent by kvd (daemon/server/webhooks.py): signed as OpenAI signs them (its own
+client verifies them), each tenant's to its own endpoint, written down before they are sent,
+tried again with backoff, and sent when a batch or a background response ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from kvctl.daemon.server import webhooks as webhooks_module  # noqa: E402
+from kvctl.daemon.server.webhooks import Webhooks, WebhooksFileError, new_secret, read_endpoints  # noqa: E402
+
+ACME_SECRET, SHARED_SECRET = new_secret(), new_secret()
+
+
+def hooks_file(tmp_path, text: str, mode: int = 0o600):
+    path = tmp_path / "webhooks.txt"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+class Receiver:
+    """Tenants' endpoints: each request kept (url, headers, body); answered as `answers` say
+    (a status, or an exception to raise), then 200."""
+
+    def __init__(self, answers=()) -> None:
+        self.got: list[tuple[str, dict, bytes]] = []
+        self.answers = list(answers)
+        self.transport = httpx.MockTransport(self.handle)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        self.got.append((str(request.url), dict(request.headers), request.content))
+        answer = self.answers.pop(0) if self.answers else 200
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(answer)
+
+    def events(self, secret: str = ACME_SECRET) -> list:
+        """What was delivered, each verified and read by OpenAI's own client."""
+        client = openai.OpenAI(api_key="unused")
+        return [client.webhooks.unwrap(body, headers, secret=secret) for _, headers, body in self.got]
+
+
+async def until(condition, seconds: float = 10.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not in time")
+
+
+# ---- the file ------------------------------------------------------------------------------
+def test_the_file_names_each_tenant_s_endpoint_and_star_for_the_others(tmp_path):
+    path = hooks_file(tmp_path, f"# tenant url secret\nacme https://acme.example/hooks {ACME_SECRET}\n\n"
+                                f"* https://ops.example/kvd {SHARED_SECRET}  # everyone else\n")
+    endpoints = read_endpoints(path)
+    assert [(e.tenant, e.url, e.line) for e in endpoints.values()] == [
+        ("acme", "https://acme.example/hooks", 2), ("*", "https://ops.example/kvd", 4)]
+    hooks = Webhooks(tmp_path / "state", lambda: endpoints)
+    assert hooks.endpoint_for("acme").url == "https://acme.example/hooks"
+    assert hooks.endpoint_for("globex").url == "https://ops.example/kvd"
+    assert Webhooks(tmp_path / "state", lambda: {"acme": endpoints["acme"]}).send("globex", "batch.completed",
+                                                                                  "batch_x") is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("acme https://a.example\n", "line 1 of {path!r}: expected TENANT URL SECRET, got 2 fields"),
+    ("acme ftp://a.example whsec_x\n",
+     "line 1 of {path!r}: the URL must be http:// or https://, got 'ftp://a.example'"),
+    ("acme https://a.example whsec_c2hvcnQ=\n", "line 1 of {path!r}: the secret must be whsec_ and 24 or more bytes "
+                                                "in base64 (as `kvd webhook-secret` makes one)"),
+    ("acme https://a.example SECRET\nacme https://b.example SECRET\n",
+     "line 2 of {path!r}: tenant 'acme' has an endpoint on line 1 too"),
+    ("ac/me https://a.example SECRET\n", "line 1 of {path!r}: 'ac/me' is not a tenant name"),
+])
+def test_a_faulty_line_is_named_and_its_secret_never_is(tmp_path, text, message):
+    path = hooks_file(tmp_path, text.replace("SECRET", ACME_SECRET))
+    with pytest.raises(WebhooksFileError) as refused:
+        read_endpoints(path)
+    assert str(refused.value).startswith("webhooks_file: " + message.format(path=str(path)))
+    assert ACME_SECRET not in str(refused.value)
+
+
+def test_a_file_every_user_may_read_is_refused(tmp_path):
+    path = hooks_file(tmp_path, f"acme https://a.example {ACME_SECRET}\n", mode=0o644)
+    with pytest.raises(WebhooksFileError, match="is open to every user on the machine \\(mode 0644\\)"):
+        read_endpoints(path)
+
+
+# ---- delivering ----------------------------------------------------------------------------
+def test_an_event_is_signed_as_openai_signs_and_tried_again_until_it_is_delivered(tmp_path, monkeypatch):
+    monkeypatch.setattr(webhooks_module, "FIRST_RETRY_S", 0.05)
+    endpoints = read_endpoints(hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n"))
+    receiver = Receiver([500, httpx.ConnectError("refused")])
+    hooks = Webhooks(tmp_path / "state", lambda: endpoints, transport=receiver.transport)
+
+    async def go():
+        hooks.start()
+        sent = hooks.send("acme", "batch.completed", "batch_0123")
+        await until(lambda: not hooks.pending)
+        return sent
+
+    sent = asyncio.run(go())
+    assert [url for url, _, _ in receiver.got] == ["https://acme.example/hooks"] * 3
+    assert {headers["webhook-id"] for _, headers, _ in receiver.got} == {sent.id}  # one event, tried three times
+    [*_, delivered] = receiver.events()[-1:]
+    assert (delivered.type, delivered.data.id, delivered.id, delivered.object) == (
+        "batch.completed", "batch_0123", sent.id, "event")
+    assert hooks.figures() == {"pending": 0, "delivered": 1, "retried": 2, "dropped": 0}
+    assert list((tmp_path / "state").glob("*.json")) == []  # delivered: its file gone
+    with pytest.raises(openai.InvalidWebhookSignatureError):  # another tenant's secret does not verify it
+        receiver.events(secret=SHARED_SECRET)
+
+
+def test_an_event_not_delivered_before_a_restart_is_delivered_after_it(tmp_path):
+    endpoints = read_endpoints(hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n"))
+    first = Webhooks(tmp_path / "state", lambda: endpoints)
+    sent = first.send("acme", "response.completed", "resp_42")  # (no loop yet: kvd stopped before it went)
+    assert [p.name for p in (tmp_path / "state").glob("*.json")] == [f"{sent.id}.json"]
+    receiver = Receiver()
+    again = Webhooks(tmp_path / "state", lambda: endpoints, transport=receiver.transport)
+
+    async def go():
+        again.start()
+        await until(lambda: not again.pending)
+
+    asyncio.run(go())
+    [event] = receiver.events()
+    assert (event.id, event.type, event.data.id) == (sent.id, "response.completed", "resp_42")
+
+
+def test_an_event_is_dropped_once_past_three_days_and_said_in_the_log(tmp_path, monkeypatch, caplog):
+    endpoints = read_endpoints(hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n"))
+    clock = [1_000_000.0]
+    receiver = Receiver([503])
+    hooks = Webhooks(tmp_path / "state", lambda: endpoints, clock=lambda: clock[0], transport=receiver.transport)
+    sent = hooks.send("acme", "batch.expired", "batch_old")
+    clock[0] += webhooks_module.KEEP_TRYING_S
+
+    async def go():
+        hooks.start()
+        await until(lambda: not hooks.pending)
+
+    asyncio.run(go())
+    assert hooks.figures() == {"pending": 0, "delivered": 0, "retried": 1, "dropped": 1}
+    assert f"webhook {sent.id} (batch.expired of tenant acme) dropped: not delivered in 72 h (1 tries; answered " \
+           "503)" in caplog.text
+
+
+# ---- from kvd --------------------------------------------------------------------------------
+def test_kvd_tells_each_tenant_s_endpoint_when_its_batch_or_background_response_ends(tmp_path):
+    from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, apps, call, start_service, token_table
+    from .test_batches_api import CHAT, SYSTEMS, chat_line, jsonl, until_ended
+    from .test_responses_api import client_for
+
+    path = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
+    service = start_service(tmp_path, webhooks_file=str(path))
+    receiver = Receiver()
+    service.webhooks.transport = receiver.transport
+    try:
+        _, tcp = apps(service, token_table(tmp_path))
+
+        async def go():
+            service.webhooks.start()
+            acme = client_for(tcp, USER_TOKEN)
+            good = await acme.files.create(file=("in.jsonl", jsonl([chat_line("a", SYSTEMS[0], "Hi?")])),
+                                           purpose="batch")
+            done = await until_ended(acme, (await acme.batches.create(
+                input_file_id=good.id, endpoint=CHAT, completion_window="24h")).id)
+            bad = await acme.files.create(file=("bad.jsonl", b"{not json\n"), purpose="batch")
+            failed = await acme.batches.create(input_file_id=bad.id, endpoint=CHAT, completion_window="24h")
+            background = await acme.responses.create(model="kvd-demo-llama-v1", input="Say hi.", background=True,
+                                                     max_output_tokens=4)
+            while (background := await acme.responses.retrieve(background.id)).status in ("queued", "in_progress"):
+                await asyncio.sleep(0.05)
+            await until(lambda: len(receiver.got) == 3 and not service.webhooks.pending)
+            return done, failed, background
+
+        done, failed, background = asyncio.run(go())
+        events = receiver.events()
+        assert background.status == "incomplete"  # (its 4 tokens ran out: response.incomplete, as OpenAI's)
+        assert sorted((e.type, e.data.id) for e in events) == sorted([
+            ("batch.completed", done.id), ("batch.failed", failed.id), ("response.incomplete", background.id)])
+        assert {url for url, _, _ in receiver.got} == {"https://acme.example/hooks"}
+        assert all(json.loads(body)["object"] == "event" for _, _, body in receiver.got)
+        scraped = call(tcp, "GET", "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).text.splitlines()
+        assert 'kvd_webhook_deliveries_total{outcome="delivered"} 3.0' in scraped
+        assert "kvd_webhooks_pending 0.0" in scraped
+    finally:
+        service.shutdown(1)
+
+
+def test_a_reload_reads_the_file_again_and_a_faulty_one_is_refused_keeping_the_old(tmp_path):
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.calls import ServiceError
+
+    from .daemon_fixtures import start_service
+
+    path = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
+    service = start_service(tmp_path, webhooks_file=str(path))
+    try:
+        settings = {"state_dir": str(tmp_path), "socket": str(tmp_path / "kvd.sock"), "num_blocks": 64,
+                    "webhooks_file": str(path)}
+        service.config_source = lambda: resolve(settings, env={})
+        path.write_text(f"acme https://acme.example/v2 {ACME_SECRET}\nglobex https://globex.example\n")
+        with pytest.raises(ServiceError) as refused:
+            service.reload_from_source("test")
+        assert f"webhooks_file: line 2 of {str(path)!r}: expected TENANT URL SECRET, got 2 fields" in str(refused.value)
+        assert service.webhook_endpoints["acme"].url == "https://acme.example/hooks"
+        path.write_text(f"acme https://acme.example/v2 {ACME_SECRET}\n")
+        service.reload_from_source("test")
+        assert service.webhook_endpoints["acme"].url == "https://acme.example/v2"
+    finally:
+        service.shutdown(1)
