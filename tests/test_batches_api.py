@@ -40,6 +40,19 @@ def shown(answer: dict, now: float) -> str:
     return " ".join(console.export_text().split())
 
 
+def left_in_progress(tcp, token: str, lines: int):
+    """A batch of `lines` long requests made by `token`'s tenant in an event loop that then ends:
+    its lines stop with the loop, so it stays in_progress."""
+    long_lines = [chat_line(f"l{i}", SYSTEMS[1], f"Long {i}", max_tokens=400, ignore_eos=True) for i in range(lines)]
+
+    async def go():
+        client = client_for(tcp, token)
+        uploaded = await client.files.create(file=("in.jsonl", jsonl(long_lines)), purpose="batch")
+        return await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+
+    return asyncio.run(go())
+
+
 async def until_ended(client, batch_id: str):
     for _ in range(1200):
         batch = await client.batches.retrieve(batch_id)
@@ -166,14 +179,7 @@ def test_a_running_batch_s_input_cannot_be_deleted_and_bad_uploads_are_refused(k
 def test_an_operator_sees_every_tenant_s_batches_and_cancels_one_audited(kvd):  # noqa: F811
     service, _, tcp = kvd
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    long_lines = [chat_line(f"l{i}", SYSTEMS[1], f"Long {i}", max_tokens=400, ignore_eos=True) for i in range(3)]
-
-    async def go():
-        client = client_for(tcp, GLOBEX_TOKEN)
-        uploaded = await client.files.create(file=("in.jsonl", jsonl(long_lines)), purpose="batch")
-        return await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
-
-    batch = asyncio.run(go())  # (its lines stop with the loop: it stays in_progress)
+    batch = left_in_progress(tcp, GLOBEX_TOKEN, 3)
     seen = call(tcp, "GET", "/admin/batches", headers=admin).json()
     assert [(b["id"], b["tenant"], b["status"]) for b in seen["batches"]] == [(batch.id, "globex", "in_progress")]
     assert seen["concurrency"] == 8

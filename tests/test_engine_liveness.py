@@ -180,7 +180,7 @@ def test_once_the_stall_is_seen_the_log_says_what_the_step_computes_and_where_th
         assert "tests/test_engine_liveness.py:" in frames[at]
         assert frames[at + 1:] and all(re.search(r"threading\.py:\d+ in wait$", f) for f in frames[at + 1:])
         assert any(f.startswith("daemon/engine/engine.py:") and f.endswith(" in step") for f in frames[:at])
-        # (no token id either; the request's id, 12 random hex digits, holds "256" about 1 run in 400: not counted)
+        # (no token id either; the request's id, 12 random hex digits, holds "256" about 1 run in 400, as one did)
         assert "secret" not in stuck and str(service.loaded.tokenizer.encode("the secret plan")[0]) not in \
             head.replace(request_id, "")
         service.config = dataclasses.replace(service.config, engine_stall_exit_seconds=0.3)  # (>= 60 in a config)

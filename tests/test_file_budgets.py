@@ -18,7 +18,7 @@ from kvctl.daemon.server.batch_files import FileBudgets, FileError, FileStore  #
 
 from .daemon_fixtures import (ADMIN_TOKEN, GLOBEX_TOKEN, USER_TOKEN, apps, assert_admin_only, call,  # noqa: E402
                               start_service, token_table)
-from .test_batches_api import CHAT, SYSTEMS, chat_line, jsonl, until_ended  # noqa: E402
+from .test_batches_api import CHAT, SYSTEMS, chat_line, jsonl, left_in_progress, until_ended  # noqa: E402
 from .test_responses_api import client_for  # noqa: E402
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -283,14 +283,7 @@ def test_an_operator_sees_each_tenant_s_files_and_budget_and_deletes_one_audited
 
 def test_an_operator_cannot_delete_the_input_of_a_batch_in_progress_and_the_refusal_is_audited(budgeted):
     service, _, tcp = budgeted
-    lines = [chat_line(f"l{i}", SYSTEMS[1], f"Long {i}", max_tokens=400, ignore_eos=True) for i in range(2)]
-
-    async def go():
-        globex = client_for(tcp, GLOBEX_TOKEN)
-        uploaded = await globex.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-        return await globex.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
-
-    batch = asyncio.run(go())  # (its lines stop with the loop: it stays in_progress)
+    batch = left_in_progress(tcp, GLOBEX_TOKEN, 2)
     refused = call(tcp, "DELETE", f"/admin/files/{batch.input_file_id}", headers=ADMIN)
     assert refused.status_code == 409 and refused.json()["error"]["message"] == (
         f"file_id: file {batch.input_file_id!r} is the input of batch {batch.id}, which is in_progress; cancel the "
