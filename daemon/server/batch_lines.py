@@ -13,8 +13,8 @@ them. The output file is written in the input's order all the same.
 
 A batch holds no request body in memory: each line is kept as where it lies in the input file
 (`offset`, `length`) and a key to order it by (`prompt_key`), and its body is read from the file
-when it is served (`read_body`). A 200 MiB file of 50,000 requests takes a few MiB while its
-batch runs, not the gigabytes its parsed bodies would.
+when it is served (`read_body`). A file of 20,000 chat requests (81 MiB) is held in 15 MiB
+while its batch runs, where its parsed bodies took 102 MiB (and 347 MiB to read).
 """
 
 from __future__ import annotations
