@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 38
+    assert len(names) == len(set(names)) == 39
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -266,6 +266,36 @@ def test_the_files_rule_fires_once_the_files_kept_pass_nine_tenths_of_files_stor
         assert call(app, "POST", "/v1/files", files={"file": ("b.jsonl", b"b" * 1)}, **upload).status_code == 200
         assert fired(Scrapes(scrape(app) | up(1, KVD), scrape(app) | up(1, KVD))) == {
             "KvdFilesStoreNearlyFull": series(KVD, 0.9001)}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_webhooks_rule_fires_when_an_event_is_given_up(tmp_path):
+    import asyncio
+
+    import httpx
+
+    from kvctl.daemon.server.webhooks import new_secret
+
+    hooks = tmp_path / "webhooks.txt"
+    hooks.write_text(f"acme https://acme.example/hooks {new_secret()}\n")
+    hooks.chmod(0o600)
+    service = start_service(tmp_path, webhooks_file=str(hooks))
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        service.webhooks.transport = httpx.MockTransport(lambda request: httpx.Response(500))
+        before = scrape(app)
+        service.webhooks.send("acme", "batch.completed", "batch_0")
+        service.webhooks.clock = lambda: 1e12  # (years after it was written: given up at its first failure)
+
+        async def deliver():
+            service.webhooks.start()
+            while service.webhooks.pending:
+                await asyncio.sleep(0.01)
+
+        asyncio.run(deliver())
+        assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
+            "KvdWebhooksDropped": series(KVD, 1.0, outcome="dropped")}
     finally:
         service.shutdown(deadline=2)
 
