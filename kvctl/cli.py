@@ -26,7 +26,7 @@ from .bench_window import window_command
 from .calibrate_cmd import calibrate_command
 from .capacity_cmd import capacity_command
 from .command_kit import client_for
-from . import batches_cmd, events_cmd, files_cmd, requests_cmd, responses_cmd, route_cmd, tiers_cmd
+from . import batches_cmd, events_cmd, files_cmd, requests_cmd, responses_cmd, route_cmd, tiers_cmd, webhooks_cmd
 from .fleet_cmd import drain_daemon, fleet_app, resume_daemon
 from .profile_cmd import profile_app
 from .rollout_cmd import rollout_app
@@ -69,6 +69,7 @@ app.add_typer(tiers_cmd.tiers_app, name="tiers")
 app.add_typer(responses_cmd.responses_app, name="responses")
 app.add_typer(batches_cmd.batches_app, name="batches")
 app.add_typer(files_cmd.files_app, name="files")
+app.add_typer(webhooks_cmd.webhooks_app, name="webhooks")
 app.command("swap")(tiers_cmd.swap)
 app.command("events")(events_cmd.events)
 app.command("route")(route_cmd.route)

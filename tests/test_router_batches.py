@@ -275,3 +275,25 @@ def test_a_router_down_or_a_replica_failing_behind_it_has_the_line_served_again_
     assert sent[0].startswith("batch " + done["id"] + ": a request could not be sent to kvd router at "
                               "/run/kvd/router.sock (ConnectError: connection refused); it is served again")
     assert len(sent) == 1  # (the others like it held back: one line every few seconds)
+
+
+def test_at_the_router_kvctl_webhooks_shows_each_replica_s_and_a_retry_reaches_each(fleet):
+    from rich.console import Console
+
+    from kvctl.webhooks_cmd import webhooks_view
+
+    _, router, _ = fleet  # (neither replica has a webhooks_file: no endpoint, nothing waiting)
+
+    async def ask(client):
+        return (await client.get("/admin/webhooks")).json(), (await client.post("/admin/webhooks/retry")).json()
+
+    [(seen, retried)] = drive(router, [ask])
+    assert [(r["replica"], r["report"]["endpoints"], r["report"]["pending"]) for r in seen["replicas"]] == [
+        ("replica-0", [], []), ("replica-1", [], [])]
+    console = Console(record=True, width=200)
+    console.print(webhooks_view(seen))
+    assert " ".join(console.export_text().split()).startswith(
+        "replica replica-0 no endpoint: webhooks_file names none (kvd sends no webhook) 0 waiting; since kvd "
+        "started 0 delivered, 0 tries failed, 0 dropped")
+    assert retried["retried"] == 0 and retried["result"] == "ok"
+    assert [(r["replica"], r["retried"]) for r in retried["replicas"]] == [("replica-0", 0), ("replica-1", 0)]

@@ -219,3 +219,67 @@ def test_a_reload_reads_the_file_again_and_a_faulty_one_is_refused_keeping_the_o
         assert service.webhook_endpoints["acme"].url == "https://acme.example/v2"
     finally:
         service.shutdown(1)
+
+
+def test_an_operator_sees_the_endpoints_and_the_events_waiting_and_tries_them_now_audited(tmp_path, monkeypatch,
+                                                                                          caplog):
+    from rich.console import Console
+
+    from kvctl.webhooks_cmd import webhooks_view
+
+    from .daemon_fixtures import ADMIN_TOKEN, apps, assert_admin_only, start_service, token_table
+
+    monkeypatch.setattr(webhooks_module, "FIRST_RETRY_S", 600.0)
+    path = hooks_file(tmp_path, f"acme https://ops:pw@acme.example:8443/hooks?key=abc {ACME_SECRET}\n")
+    service = start_service(tmp_path, webhooks_file=str(path))
+    receiver = Receiver([500])
+    service.webhooks.transport = receiver.transport
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    try:
+        _, tcp = apps(service, token_table(tmp_path))
+
+        async def go():
+            service.webhooks.start()
+            sent = service.webhooks.send("acme", "batch.completed", "batch_7")
+            await until(lambda: receiver.got)
+            await asyncio.sleep(0.05)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=tcp), base_url="http://kvd",
+                                         headers=admin) as client:
+                seen = (await client.get("/admin/webhooks")).json()
+                retried = (await client.post("/admin/webhooks/retry")).json()
+            await until(lambda: not service.webhooks.pending)
+            return sent, seen, retried
+
+        sent, seen, retried = asyncio.run(go())
+        assert seen["endpoints"] == [{"tenant": "acme", "url": "https://acme.example:8443/hooks"}]  # no user, key
+        [waiting] = seen["pending"]
+        assert (waiting["id"], waiting["type"], waiting["attempts"], waiting["last_error"]) == (
+            sent.id, "batch.completed", 1, "answered 500")
+        assert 590 < waiting["next_in"] <= 600
+        console = Console(record=True, width=200)
+        console.print(webhooks_view({**seen, "pending": [{**waiting, "next_in": 597.0}]}))
+        assert " ".join(console.export_text().split()) == (
+            f"tenant acme: https://acme.example:8443/hooks {sent.id} batch.completed of tenant acme: 1 tries, next "
+            "in 9m (last: answered 500) 1 waiting; since kvd started 0 delivered, 1 tries failed, 0 dropped")
+        assert retried == {"retried": 1} and len(receiver.got) == 2 and receiver.events()[-1].data.id == "batch_7"
+        [record] = service.store.audit_since(0, action="webhooks_retry")
+        assert (record["result"], record["detail"]) == ("ok", {"events": 1})
+        assert ACME_SECRET not in json.dumps(seen) and "pw@" not in caplog.text and "key=abc" not in caplog.text
+        assert "to https://acme.example:8443/hooks: answered 500; tried again in 600 s" in caplog.text
+        assert_admin_only(tcp, "GET", "/admin/webhooks")
+        assert_admin_only(tcp, "POST", "/admin/webhooks/retry")
+    finally:
+        service.shutdown(1)
+
+
+def test_kvctl_webhooks_retry_says_what_each_replica_tried_and_what_one_could_not_do():
+    from .kvctl_fakes import kvctl_answered
+
+    sent: list = []
+    alone = kvctl_answered(["webhooks", "retry"], {"retried": 2}, sent)
+    assert alone.exit_code == 0 and alone.output == "2 events tried now\n" and sent == [("/admin/webhooks/retry", {})]
+    fleet = kvctl_answered(["webhooks", "retry"], {
+        "retried": 3, "result": "partial", "message": "b: not reached (ConnectError: refused)",
+        "replicas": [{"replica": "a", "status": 200, "retried": 3}, {"replica": "b", "status": None}]})
+    assert fleet.output == ("replica a: 3 events tried now\nreplica b: not reached\n"
+                            "3 events tried now; b: not reached (ConnectError: refused)\n")

@@ -58,6 +58,7 @@ from .request_spans import trace_context
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .response_format import asks_for_a_shape, constraint_of
 from .batch_routes import batch_routes
+from .webhook_routes import webhook_routes
 from .conversations_routes import conversations_routes
 from .responses_routes import responses_routes
 from .service import EngineService, LoopSink
@@ -618,6 +619,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     app.include_router(conversations_routes(service, principal))  # /v1/conversations, which responses continue
     app.include_router(admin_routes(service, admin, tenant_header=front == "unix" or trusted_proxy))
     app.include_router(batch_routes(service, principal, admin))  # /v1/files, /v1/batches
+    app.include_router(webhook_routes(service, admin))  # /admin/webhooks
     if front == "unix" and service.batches.lines_app is None:
         service.batches.lines_app = app  # (a batch's requests come in as its tenant's, over the socket)
 

@@ -434,6 +434,11 @@ def merge_response_purges(bodies: list[dict]) -> dict:
             **{key: bodies[0][key] for key in ("dry_run", "tenant", "older_than_s", "all")}, **named}
 
 
+def merge_webhook_retries(bodies: list[dict]) -> dict:
+    """The waiting webhook events each replica tried now, added up (each sends its own)."""
+    return {"retried": sum(body["retried"] for body in bodies)}
+
+
 def replica_reports(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
     """Each replica's report as it came, in the replicas' order, for what does not add up across
     machines: tiers (each has its own host memory and disk, and a shared Redis would count once per

@@ -53,8 +53,8 @@ from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, bodies_or_errors,
                           merge_event_lists, merge_evictions, merge_lora_changes, merge_many_unpins, merge_pin_lists,
                           merge_pins,
                           merge_prefix_lists, merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps,
-                          merge_tenant_lists, merge_unpins, merge_verifies, merge_weight_updates,
-                          replica_reports)
+                          merge_tenant_lists, merge_unpins, merge_verifies, merge_webhook_retries,
+                          merge_weight_updates, replica_reports)
 from .fleet_differences import fleet_differences
 from .fleet_pins import sync_pins
 from .health_checks import fleet_report
@@ -344,6 +344,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         relayed(path, merge_lora_changes)
     relayed("/admin/responses/purge", merge_response_purges)  # each replica keeps its own responses
+    relayed("/admin/webhooks/retry", merge_webhook_retries)  # ... and sends its own webhooks
     # sleep (kvctl sleep and wake; vLLM's names below): every replica gives back its memory, or takes it again
     for path in ("/admin/sleep", "/admin/wake"):
         relayed(path, merge_sleeps)
@@ -397,7 +398,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                         ("/admin/tiers", replica_reports), ("/admin/prefixes", merge_prefix_lists),
                         ("/admin/pins", merge_pin_lists), ("/admin/profile", replica_reports),
                         ("/admin/responses", replica_reports), ("/admin/audit", merge_audit_lists),
-                        ("/admin/batches", replica_reports), ("/admin/files", replica_reports)):
+                        ("/admin/batches", replica_reports), ("/admin/files", replica_reports),
+                        ("/admin/webhooks", replica_reports)):
         merged_listing(path, merge)
 
     @app.get("/admin/events")

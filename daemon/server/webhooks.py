@@ -32,6 +32,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -95,6 +96,13 @@ def read_endpoints(path: str | Path) -> dict[str, Endpoint]:
                                     "`kvd webhook-secret` makes one)")
         endpoints[tenant] = Endpoint(tenant, url, key, number)
     return endpoints
+
+
+def shown_url(url: str) -> str:
+    """An endpoint's address as kvd's log and an operator's view show it: scheme, host, port and
+    path, without the user and password or the query a URL may carry."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
 
 
 def new_secret() -> str:
@@ -180,6 +188,17 @@ class Webhooks:
             loop.call_soon_threadsafe(self._kick)
         return pending
 
+    def retry_now(self) -> int:
+        """Every event waiting is tried at once (an endpoint mended); how many."""
+        with self.lock:
+            waiting = list(self.pending.values())
+            for pending in waiting:
+                pending.next_at = self.clock()
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._kick)
+        return len(waiting)
+
     def figures(self) -> dict:
         return {"pending": len(self.pending), **{k: self.outcomes[k] for k in ("delivered", "retried", "dropped")}}
 
@@ -239,7 +258,7 @@ class Webhooks:
             return
         pending.next_at = self.clock() + min(FIRST_RETRY_S * 2 ** (pending.attempts - 1), MOST_RETRY_S)
         log.warning("webhook %s (%s of tenant %s) to %s: %s; tried again in %.0f s", pending.id, pending.type,
-                    pending.tenant, endpoint.url, error, pending.next_at - self.clock())
+                    pending.tenant, shown_url(endpoint.url), error, pending.next_at - self.clock())
 
     def _drop(self, pending: Pending, why: str) -> None:
         self._done(pending)
