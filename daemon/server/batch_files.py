@@ -151,9 +151,9 @@ class FileStore:
         files at its tenant_files_bytes, or every tenant's at files_store_bytes. (A batch's output
         is written whatever its size: a batch started with room is never refused its answers.)"""
         budgets = self.budgets()
-        own = budgets.of(tenant)
-        if own is not None and self.held(tenant) >= own:
-            return FileError(f"input_file_id: tenant {tenant}'s files take {self.held(tenant):,} bytes, its "
+        own, held = budgets.of(tenant), self.held(tenant)
+        if own is not None and held >= own:
+            return FileError(f"input_file_id: tenant {tenant}'s files take {held:,} bytes, its "
                              f"tenant_files_bytes ({own:,} bytes): a batch's output would have no room; {FREE_SOME}",
                              "input_file_id", code="files_budget_exceeded")
         if self.held() >= budgets.store:

@@ -183,9 +183,7 @@ class Webhooks:
             return None
         with self.lock:
             self.pending[event_id] = pending
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._kick)
+        self._kick_from_any_thread()
         return pending
 
     def retry_now(self) -> int:
@@ -194,10 +192,14 @@ class Webhooks:
             waiting = list(self.pending.values())
             for pending in waiting:
                 pending.next_at = self.clock()
+        self._kick_from_any_thread()
+        return len(waiting)
+
+    def _kick_from_any_thread(self) -> None:
+        """Wake the delivering task on kvd's loop (none yet before `start`: it delivers what waits then)."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._kick)
-        return len(waiting)
 
     def figures(self) -> dict:
         return {"pending": len(self.pending), **{k: self.outcomes[k] for k in ("delivered", "retried", "dropped")}}
