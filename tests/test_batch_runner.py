@@ -64,9 +64,9 @@ def line(custom_id: str, prompt: str, **body) -> dict:
             "body": {"messages": [{"role": "user", "content": prompt}], **body}}
 
 
-def runner_for(tmp_path, stand_in: StandIn, concurrency: int = 2, clock=None) -> BatchRunner:
+def runner_for(tmp_path, stand_in: StandIn, concurrency: int = 2, clock=None, on_end=None) -> BatchRunner:
     runner = BatchRunner(tmp_path / "batches", FileStore(tmp_path / "files"), lambda: concurrency,
-                         clock=clock or Clock())
+                         clock=clock or Clock(), **({"on_end": on_end} if on_end else {}))
     runner.lines_app = stand_in.app
     return runner
 
@@ -287,6 +287,32 @@ def test_after_a_restart_what_was_left_is_served_and_what_was_served_is_not_agai
     assert again.get("acme", batch_id).done == set()  # (its answers are in its file, not held in memory)
     later = runner_for(tmp_path, stand_in)  # a start after it ended: it says what it said
     assert later.get("acme", batch_id).public() == done
+
+
+def test_a_batch_s_end_is_told_again_at_the_next_start_where_it_was_not_noted_as_told(tmp_path):
+    stand_in = StandIn()
+    told = []
+    record = tmp_path / "batches"
+
+    def not_written_down(batch):  # (its event could not be written; kvd stopping before it was, likewise)
+        told.append((batch.id, batch.status))
+        return False
+
+    runner = runner_for(tmp_path, stand_in, on_end=not_written_down)
+    file_id = upload(runner, "acme", [line("r0", "p0")])
+
+    async def go():
+        return await ended(runner, runner.create("acme", file_id, CHAT, "24h", {}).id)
+
+    done = asyncio.run(go())
+    assert told == [(done["id"], "completed")]
+    assert json.loads((record / f"{done['id']}.json").read_text())["told"] is False
+    again = runner_for(tmp_path, stand_in, on_end=lambda batch: told.append((batch.id, batch.status)))  # next start
+    assert told == [(done["id"], "completed")] * 2
+    assert json.loads((record / f"{done['id']}.json").read_text())["told"] is True
+    runner_for(tmp_path, stand_in, on_end=lambda batch: told.append((batch.id, batch.status)))
+    assert told == [(done["id"], "completed")] * 2  # noted as told: not again
+    assert again.get("acme", done["id"]).public() == done
 
 
 def test_a_faulty_input_file_fails_the_batch_naming_each_line_at_fault(tmp_path):

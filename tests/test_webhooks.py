@@ -136,6 +136,19 @@ def test_an_event_not_delivered_before_a_restart_is_delivered_after_it(tmp_path)
     assert (event.id, event.type, event.data.id) == (sent.id, "response.completed", "resp_42")
 
 
+def test_the_same_end_told_again_keeps_its_event_id_and_another_end_has_its_own(tmp_path):
+    endpoints = read_endpoints(hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n"))
+    hooks = Webhooks(tmp_path / "state", lambda: endpoints)
+    first = hooks.send("acme", "batch.completed", "batch_1")
+    again = hooks.send("acme", "batch.completed", "batch_1")
+    other = hooks.send("acme", "batch.completed", "batch_2")
+    assert first.id == again.id == Webhooks.event_id("acme", "batch.completed", "batch_1") != other.id
+    assert sorted(hooks.pending) == sorted([first.id, other.id])
+    assert len(list((tmp_path / "state").glob("evt_*.json"))) == 2
+    assert hooks.told("globex", "batch.completed", "batch_3") is True  # (no endpoint: nothing to tell)
+    assert len(hooks.pending) == 2
+
+
 def test_an_event_is_dropped_once_past_three_days_and_said_in_the_log(tmp_path, monkeypatch, caplog):
     endpoints = read_endpoints(hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n"))
     clock = [1_000_000.0]
@@ -195,6 +208,49 @@ def test_kvd_tells_each_tenant_s_endpoint_when_its_batch_or_background_response_
         assert "kvd_webhooks_pending 0.0" in scraped
     finally:
         service.shutdown(1)
+
+
+def test_a_batch_end_whose_event_could_not_be_written_is_told_at_kvd_s_next_start(tmp_path, caplog):
+    from .daemon_fixtures import USER_TOKEN, apps, start_service, token_table
+    from .test_batches_api import CHAT, SYSTEMS, chat_line, jsonl, until_ended
+    from .test_responses_api import client_for
+
+    path = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
+    (tmp_path / "webhooks").write_text("")  # (where kvd writes its events down: a file, not a folder)
+    service = start_service(tmp_path, webhooks_file=str(path))
+    try:
+        _, tcp = apps(service, token_table(tmp_path))
+
+        async def go():
+            acme = client_for(tcp, USER_TOKEN)
+            kept = await acme.files.create(file=("in.jsonl", jsonl([chat_line("a", SYSTEMS[0], "Hi?")])),
+                                           purpose="batch")
+            return await until_ended(acme, (await acme.batches.create(
+                input_file_id=kept.id, endpoint=CHAT, completion_window="24h")).id)
+
+        done = asyncio.run(go())
+        assert done.status == "completed"
+        assert service.webhooks.figures() == {"pending": 0, "delivered": 0, "retried": 0, "dropped": 1}
+        assert "(batch.completed of tenant acme) dropped: it could not be written down" in caplog.text
+    finally:
+        service.shutdown(1)
+    (tmp_path / "webhooks").unlink()  # (room again)
+    for life in range(2):  # the next start tells it; the one after does not again
+        service = start_service(tmp_path, webhooks_file=str(path))
+        receiver = Receiver()
+        service.webhooks.transport = receiver.transport
+        try:
+            async def deliver():
+                service.webhooks.start()
+                await until(lambda: not service.webhooks.pending)
+                await asyncio.sleep(0.05)
+
+            asyncio.run(deliver())
+            told = [(event.id, event.type, event.data.id) for event in receiver.events()]
+            assert told == ([] if life else [
+                (Webhooks.event_id("acme", "batch.completed", done.id), "batch.completed", done.id)])
+        finally:
+            service.shutdown(1)
 
 
 def test_a_reload_reads_the_file_again_and_a_faulty_one_is_refused_keeping_the_old(tmp_path):

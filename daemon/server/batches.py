@@ -125,6 +125,7 @@ class Batch:
     ending: str | None = None  # what it ends as, once finalizing
     final: dict | None = None  # its request_counts and usage once ended (its answers are in its files then)
     output_expiry: int | None = None  # seconds its output and error files are kept (output_expires_after)
+    told: bool = True  # its end's webhook written down (False from its ended record until it is: BatchRunner._end)
     # what serving it keeps in memory (not written: the done file and the input say it again)
     lines: list[BatchLine] = field(default_factory=list, repr=False)  # in the order they are served
     done: set[int] = field(default_factory=set, repr=False)  # the line numbers answered (their records: the done file)
@@ -140,7 +141,7 @@ class Batch:
                 "completion_window": self.completion_window, "metadata": self.metadata, "created_at": self.created_at,
                 "expires_at": self.expires_at, "status": self.status, "stamps": self.stamps, "errors": self.errors,
                 "output_file_id": self.output_file_id, "error_file_id": self.error_file_id, "total": self.total,
-                "ending": self.ending, "final": self.final, "output_expiry": self.output_expiry}
+                "ending": self.ending, "final": self.final, "output_expiry": self.output_expiry, "told": self.told}
 
     @classmethod
     def from_record(cls, record: dict) -> "Batch":
@@ -238,7 +239,7 @@ class BatchRunner:
         with open(self.files.data_path(source.id), "rb") as content:
             lines, faults = read_lines(content, endpoint)
         if faults:
-            batch.errors, batch.status, batch.stamps["failed_at"] = faults, "failed", now
+            batch.errors, batch.status, batch.stamps["failed_at"], batch.told = faults, "failed", now, False
         else:
             batch.total = len(lines)
             batch.lines = prompt_order(lines)
@@ -246,7 +247,7 @@ class BatchRunner:
         self._save(batch)
         self.batches[batch.id] = batch
         if batch.status == "failed":
-            self.on_end(batch)
+            self._end(batch)
         self._kick()
         return batch
 
@@ -474,12 +475,21 @@ class BatchRunner:
         batch.final = {"request_counts": batch.counts, "usage": batch.usage()}
         batch.status = ending
         batch.stamps[f"{ending}_at"] = int(now)
+        batch.told = False
         self._save(batch)
-        self.on_end(batch)
+        self._end(batch)
         batch.lines, batch.retry, batch.done = [], [], set()  # (in its files now: not held in memory)
         done.unlink(missing_ok=True)
         log.info("batch %s of tenant %s %s: %d of %d requests answered 2xx", batch.id, batch.tenant, ending,
                  written["output"], batch.total)
+
+    def _end(self, batch: Batch) -> None:
+        """Tell of `batch`'s end (its webhook: on_end), its ended record saved with told False first: where
+        kvd stops between the two, the next start tells it again (the same event id, which receivers dedupe
+        on). An event that could not be written down (on_end answers False) is tried again then too."""
+        if self.on_end(batch) is not False:
+            batch.told = True
+            self._save(batch)
 
     # ---- kept across restarts -------------------------------------------------------------
     def _save(self, batch: Batch) -> None:
@@ -495,6 +505,8 @@ class BatchRunner:
                 continue
             self.batches[batch.id] = batch
             if batch.status in ENDED:
+                if not batch.told:  # kvd stopped between its ended record and its webhook
+                    self._end(batch)
                 continue
             try:
                 self.files.get(batch.tenant, batch.input_file_id)
@@ -503,11 +515,11 @@ class BatchRunner:
             except (FileError, OSError) as exc:
                 log.error("batch %s: its input file %s cannot be read (%s); the batch fails", batch.id,
                           batch.input_file_id, exc)
-                batch.status, batch.stamps["failed_at"] = "failed", int(self.clock())
+                batch.status, batch.stamps["failed_at"], batch.told = "failed", int(self.clock()), False
                 batch.errors = [{"code": "input_file_missing", "message": f"its input file could not be read again "
                                  f"when kvd started: {exc}", "param": "input_file_id", "line": None}]
                 self._save(batch)
-                self.on_end(batch)
+                self._end(batch)
                 continue
             batch.lines = prompt_order(lines)
             done = self.folder / f"{batch.id}.done.jsonl"

@@ -160,8 +160,8 @@ class EngineService:
         self.webhooks = Webhooks(Path(config.state_dir) / "webhooks", lambda: self.webhook_endpoints)
         self.batches = BatchRunner(Path(config.state_dir) / "batches", self.files,
                                    lambda: self.config.batch_concurrency, via=lambda: self.config.batch_via,
-                                   on_end=lambda batch: self.webhooks.send(batch.tenant, f"batch.{batch.status}",
-                                                                           batch.id))
+                                   on_end=lambda batch: self.webhooks.told(batch.tenant, f"batch.{batch.status}",
+                                                                            batch.id))
         self._reply_ids_read = False  # read back from the state directory once, at the first load
         self.hub_name: str | None = None  # the model's Hugging Face id, where --model named one (hub_cache.py)
         self.ready = threading.Event()

@@ -27,7 +27,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -163,20 +162,21 @@ class Webhooks:
 
     def send(self, tenant: str, event_type: str, object_id: str) -> Pending | None:
         """Tell `tenant`'s endpoint that `object_id` ended (`event_type`, one of EVENT_TYPES); None
-        where it has none, or where it cannot be written down. Written whole before it is first sent."""
+        where it has none, or where it cannot be written down. Written whole before it is first sent.
+        Its id is the same each time the same end is told (`event_id`): a receiver dedupes on it."""
         if event_type not in EVENT_TYPES:
             raise ValueError(f"event type: one of {', '.join(EVENT_TYPES)}, got {event_type!r}")
         if self.endpoint_for(tenant) is None:
             return None
         now = self.clock()
-        event_id = "evt_" + uuid.uuid4().hex
+        event_id = self.event_id(tenant, event_type, object_id)
         body = json.dumps({"id": event_id, "object": "event", "type": event_type, "created_at": int(now),
                            "data": {"id": object_id}})
         pending = Pending(event_id, tenant, event_type, body, now, next_at=now)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             write_json_whole(self.folder / f"{event_id}.json", asdict(pending))
-        except OSError as exc:  # (a full disk): the batch or response ends all the same; its event is lost
+        except OSError as exc:  # (a full disk): it ends all the same (a batch's end is told again at the next start)
             self.outcomes["dropped"] += 1
             log.error("webhook %s (%s of tenant %s) dropped: it could not be written down (%s)", event_id,
                       event_type, tenant, exc)
@@ -185,6 +185,17 @@ class Webhooks:
             self.pending[event_id] = pending
         self._kick_from_any_thread()
         return pending
+
+    @staticmethod
+    def event_id(tenant: str, event_type: str, object_id: str) -> str:
+        """The id of the event telling this end: an object ends once, so told again (kvd stopped before
+        it could note it had been told) it keeps its id."""
+        return "evt_" + hashlib.blake2b(f"{tenant}\n{event_type}\n{object_id}".encode(), digest_size=16).hexdigest()
+
+    def told(self, tenant: str, event_type: str, object_id: str) -> bool:
+        """`send`, and whether the end is told: True where the event is written down or the tenant has
+        no endpoint; False where it could not be written down (BatchRunner tells it again at a start)."""
+        return self.send(tenant, event_type, object_id) is not None or self.endpoint_for(tenant) is None
 
     def retry_now(self) -> int:
         """Every event waiting is tried at once (an endpoint mended); how many."""
