@@ -1,11 +1,13 @@
-"""kvctl webhooks: where kvd sends its webhooks (webhooks_file), the events not delivered yet, and
-a retry of those now.
+"""kvctl webhooks: where kvd sends its webhooks (webhooks_file), the events not delivered yet, a
+retry of those now, and an ended batch's or background response's end told again.
 
-kvd decides and reports (`GET /admin/webhooks`, `POST /admin/webhooks/retry`); these show its
-answer. Ids, tenants, types, addresses and errors only: never a secret.
+kvd decides and reports (`GET /admin/webhooks`, `POST /admin/webhooks/retry`, `POST
+/admin/webhooks/resend/{id}`); these show its answer. Ids, tenants, types, addresses and errors only: never a secret.
 """
 
 from __future__ import annotations
+
+from urllib.parse import quote
 
 import typer
 from rich.console import Group
@@ -23,7 +25,8 @@ def webhooks(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", he
     """Each tenant's webhook endpoint (webhooks_file), the events waiting to be delivered (the oldest
     first: tries, next try, last error), and the deliveries since kvd started.
 
-    `kvctl webhooks retry` tries every waiting event now (an endpoint mended; audited).
+    `kvctl webhooks retry` tries every waiting event now (an endpoint mended; audited);
+    `kvctl webhooks resend ID` tells an ended batch's or background response's end again.
 
     Example: kvctl webhooks
     """
@@ -65,3 +68,19 @@ def retry(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
         typer.echo(f"{d['retried']:,} events tried now" + (f"; {d['message']}" if d.get("message") else ""))
 
     emit(data, as_json, said)
+
+
+@webhooks_app.command("resend")
+def resend(ctx: typer.Context, object_id: str = typer.Argument(..., metavar="ID",
+                                                              help="An ended batch's id or background response's."),
+           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Tell an ended batch's or background response's end again to its tenant's endpoint (its
+    receiver lost it), under the event id it was told with first; audited. At kvd router, the
+    replica that keeps it sends it.
+
+    Example: kvctl webhooks resend batch_0123
+    """
+    data = client_for(ctx).post(f"/admin/webhooks/resend/{quote(object_id, safe='')}", {})
+    emit(data, as_json, lambda d: typer.echo(
+        f"{d['type']} of {d['object_id']} (tenant {d['tenant']}) sent again as {d['id']}"
+        + (f" by replica {d['replica']}" if d.get("replica") else "")))

@@ -87,7 +87,11 @@ def test_a_batch_is_served_where_its_file_is_and_found_there_by_a_router_that_di
     async def delete_first(client):  # (the first upload, kept at the first replica)
         return await client.delete(f"/admin/files/{seen['uploads'][0].json()['id']}")
 
-    found, listed, refused, files, deleted = drive(again, [read, operator, cancel_ended, files_seen, delete_first])
+    async def resend(client):  # (its replica keeps it, and has no endpoint for it: its 409, not the other's 404)
+        return await client.post(f"/admin/webhooks/resend/{done['id']}")
+
+    found, listed, refused, files, deleted, resent = drive(
+        again, [read, operator, cancel_ended, files_seen, delete_first, resend])
     assert found.status_code == 200 and found.headers["x-kvd-replica"] == second
     rows = {row["replica"]: [b["id"] for b in row["report"]["batches"]] for row in listed.json()["replicas"]}
     assert rows[second][0] == done["id"] and done["id"] not in rows[first]
@@ -103,6 +107,8 @@ def test_a_batch_is_served_where_its_file_is_and_found_there_by_a_router_that_di
     from .test_file_budgets import shown as files_shown  # (kvctl files at the router: each replica's)
     assert f"replica {first} {seen['uploads'][0].json()['id']} batch" in files_shown(files.json(), done["created_at"])
     assert deleted.status_code == 200 and deleted.json()["replica"] == first and deleted.json()["tenant"] == "default"
+    assert resent.status_code == 409 and resent.json()["error"]["message"] == (
+        "id: tenant default has no endpoint in webhooks_file: kvd sends it no webhook")
 
 
 class ClosesAfterReading(httpx.AsyncBaseTransport):

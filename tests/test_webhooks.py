@@ -328,6 +328,84 @@ def test_an_operator_sees_the_endpoints_and_the_events_waiting_and_tries_them_no
         service.shutdown(1)
 
 
+def test_an_operator_tells_an_ended_batch_s_or_background_response_s_end_again_under_its_event_id(tmp_path):
+    from .daemon_fixtures import ADMIN_TOKEN, GLOBEX_TOKEN, USER_TOKEN, apps, assert_admin_only, start_service, \
+        token_table
+    from .test_batches_api import CHAT, SYSTEMS, chat_line, jsonl, until_ended
+    from .test_responses_api import client_for
+
+    path = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
+    service = start_service(tmp_path, webhooks_file=str(path))
+    receiver = Receiver()
+    service.webhooks.transport = receiver.transport
+    try:
+        _, tcp = apps(service, token_table(tmp_path))
+
+        async def background(client, **fields):
+            made = await client.responses.create(model="kvd-demo-llama-v1", input="Say hi.", max_output_tokens=2,
+                                                 **fields)
+            while made.status in ("queued", "in_progress"):
+                await asyncio.sleep(0.05)
+                made = await client.responses.retrieve(made.id)
+            return made
+
+        async def go():
+            service.webhooks.start()
+            acme = client_for(tcp, USER_TOKEN)
+            kept = await acme.files.create(file=("in.jsonl", jsonl([chat_line("a", SYSTEMS[0], "Hi?")])),
+                                           purpose="batch")
+            done = await until_ended(acme, (await acme.batches.create(
+                input_file_id=kept.id, endpoint=CHAT, completion_window="24h")).id)
+            ran = await background(acme, background=True)
+            plain = await background(acme)
+            elsewhere = await background(client_for(tcp, GLOBEX_TOKEN), background=True)  # (no endpoint)
+            await until(lambda: len(receiver.got) == 2 and not service.webhooks.pending)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=tcp), base_url="http://kvd",
+                                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as client:
+                answers = [await client.post(f"/admin/webhooks/resend/{object_id}") for object_id in (
+                    done.id, ran.id, plain.id, elsewhere.id, "batch_nope", "resp_nope", "file-abc")]
+            await until(lambda: len(receiver.got) == 4 and not service.webhooks.pending)
+            return done, ran, plain, elsewhere, answers
+
+        done, ran, plain, elsewhere, answers = asyncio.run(go())
+        batch_event = Webhooks.event_id("acme", "batch.completed", done.id)
+        response_event = Webhooks.event_id("acme", "response.incomplete", ran.id)
+        assert [a.json() for a in answers[:2]] == [
+            {"id": batch_event, "type": "batch.completed", "tenant": "acme", "object_id": done.id},
+            {"id": response_event, "type": "response.incomplete", "tenant": "acme", "object_id": ran.id}]
+        told = [(event.id, event.type, event.data.id) for event in receiver.events()]
+        first = [(batch_event, "batch.completed", done.id), (response_event, "response.incomplete", ran.id)]
+        assert told == first * 2  # told again as first told: the same ids
+        refused = [(a.status_code, a.json()["error"]["message"]) for a in answers[2:]]
+        assert refused == [
+            (409, f"id: response {plain.id!r} was not made with background: true: no webhook tells of its end"),
+            (409, "id: tenant globex has no endpoint in webhooks_file: kvd sends it no webhook"),
+            (404, "id: no batch 'batch_nope' is kept here"),
+            (404, "id: no response 'resp_nope' is kept here"),
+            (400, "id: a batch's id (batch_...) or a background response's (resp_...), got 'file-abc'")]
+        records = service.store.audit_since(0, action="webhook_resend")[::-1]  # (it lists the newest first)
+        assert [(r["target"], r["tenant"], r["result"]) for r in records] == [
+            (done.id, "acme", "ok"), (ran.id, "acme", "ok"), (plain.id, "acme", "refused"),
+            (elsewhere.id, "globex", "refused"), ("batch_nope", "ops", "refused"), ("resp_nope", "ops", "refused"),
+            ("file-abc", "ops", "refused")]
+        assert records[0]["detail"] == {"event": batch_event, "type": "batch.completed"}
+        assert_admin_only(tcp, "POST", f"/admin/webhooks/resend/{done.id}")
+    finally:
+        service.shutdown(1)
+
+
+def test_kvctl_webhooks_resend_says_what_was_sent_again_and_by_which_replica():
+    from .kvctl_fakes import kvctl_answered
+
+    sent: list = []
+    told = {"id": "evt_1", "type": "batch.completed", "tenant": "acme", "object_id": "batch_7"}
+    alone = kvctl_answered(["webhooks", "resend", "batch_7"], told, sent)
+    assert alone.exit_code == 0 and alone.output == "batch.completed of batch_7 (tenant acme) sent again as evt_1\n"
+    assert sent == [("/admin/webhooks/resend/batch_7", {})]
+    fleet = kvctl_answered(["webhooks", "resend", "batch_7"], {**told, "replica": "b"})
+    assert fleet.output == "batch.completed of batch_7 (tenant acme) sent again as evt_1 by replica b\n"
+
+
 def test_kvctl_webhooks_retry_says_what_each_replica_tried_and_what_one_could_not_do():
     from .kvctl_fakes import kvctl_answered
 

@@ -766,6 +766,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def delete_file_everywhere(file_id: str, _: Caller = Depends(admin)):
         return await at_keeper("DELETE", f"/admin/files/{quote(file_id, safe='')}", None)
 
+    @app.post("/admin/webhooks/resend/{object_id}")
+    async def resend_webhook_where_kept(object_id: str, _: Caller = Depends(admin)):
+        return await at_keeper("POST", f"/admin/webhooks/resend/{quote(object_id, safe='')}", b"{}")
+
     @app.api_route("/v1/conversations/{conversation_id}", methods=["GET", "POST", "DELETE"])
     async def conversation(conversation_id: str, http: Request, who: Caller = Depends(caller)):
         return await at_home(conversation_id, http.method, who, params=http.query_params,
