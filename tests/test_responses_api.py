@@ -420,6 +420,46 @@ def test_previous_response_id_continues_the_conversation_through_the_prefix_cach
     assert kept.model_dump() == second.model_dump()
 
 
+def test_input_tokens_counts_what_the_response_would_take_and_refuses_what_it_would(kvd, scripted):
+    import openai
+
+    service, unix, _ = kvd
+    tokenizer = service.loaded.tokenizer
+    scripted.extend(tokenizer.encode("Let me look.\n" + CALL_TEXT, add_special_tokens=False))
+
+    async def go():
+        client = client_for(unix)
+        ask = {"instructions": INSTRUCTIONS, "input": "Weather in Paris?", "tools": [WEATHER]}
+        counted = await client.responses.input_tokens.count(**ask)
+        first = await client.responses.create(**ask, max_output_tokens=200)
+        scripted[:] = tokenizer.encode("Sunny in Paris.", add_special_tokens=False)
+        follow = {"instructions": INSTRUCTIONS, "previous_response_id": first.id, "tools": [WEATHER], "input": [
+            {"type": "function_call_output", "call_id": first.output[-1].call_id, "output": "Sunny, 21 C"}]}
+        counted_next = await client.responses.input_tokens.count(**follow)
+        second = await client.responses.create(**follow, max_output_tokens=200)
+        conversation = await client.conversations.create()
+        in_conversation = await client.responses.input_tokens.count(conversation=conversation.id, input="Hello?")
+        items = await client.conversations.items.list(conversation.id)
+        refused = []
+        for fields in ({"input": "Hi", "previous_response_id": "resp_nope"}, {"input": "Hi", "model": "gpt-9"},
+                       {"input": [{"type": "mystery"}]}):
+            try:
+                await client.responses.input_tokens.count(**fields)
+            except openai.APIStatusError as exc:
+                refused.append((exc.status_code, exc.body["param"], exc.body["message"]))
+        return counted, first, counted_next, second, in_conversation, items, refused
+
+    counted, first, counted_next, second, in_conversation, items, refused = asyncio.run(go())
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", first.usage.input_tokens)
+    assert counted_next.input_tokens == second.usage.input_tokens > first.usage.input_tokens  # (the turn before too)
+    hello = service.chat_prompt(chat_messages([{"role": "user", "content": "Hello?"}]))
+    assert in_conversation.input_tokens == len(hello) and items.data == []  # counted: not added to it
+    assert len(service.responses.entries) == 2  # (first and second: a count keeps nothing)
+    assert [(status, param) for status, param, _ in refused] == [
+        (404, "previous_response_id"), (404, "model"), (400, "input[0].type")]
+    assert refused[0][2].startswith("previous_response_id: no response 'resp_nope' is kept here")
+
+
 def test_kept_responses_are_read_and_deleted_by_their_tenant_only(kvd, scripted):
     from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN, call, settled
 

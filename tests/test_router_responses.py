@@ -57,6 +57,28 @@ def test_a_response_goes_home_by_its_prefix_and_its_next_turns_follow_it(replica
     assert usage["input_tokens_details"]["cached_tokens"] >= 256
 
 
+def test_an_input_token_count_is_made_where_the_response_it_continues_is_kept(replicas):
+    _, app = router_app(replicas, "round_robin")  # (alone, it would send the count elsewhere)
+    seen = {}
+
+    async def first(client):
+        seen["first"] = await respond(client, instructions=SYSTEM_0, input="Q1?")
+        return seen["first"]
+
+    async def counted(client):
+        return await client.post("/v1/responses/input_tokens", json={
+            "instructions": SYSTEM_0, "input": "Q2?", "previous_response_id": seen["first"].json()["id"]})
+
+    async def next_turn(client):
+        return await respond(client, instructions=SYSTEM_0, input="Q2?",
+                             previous_response_id=seen["first"].json()["id"])
+
+    made, count, turned = drive(app, [first, counted, next_turn])
+    assert count.status_code == 200 and count.headers["x-kvd-route"] == STICKY
+    assert count.headers["x-kvd-replica"] == turned.headers["x-kvd-replica"] == made.headers["x-kvd-replica"]
+    assert count.json() == {"object": "response.input_tokens", "input_tokens": turned.json()["usage"]["input_tokens"]}
+
+
 def test_a_kept_response_is_read_and_deleted_where_it_was_answered(replicas):
     service, app = router_app(replicas, "round_robin")
     seen = {}

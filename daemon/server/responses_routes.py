@@ -1,4 +1,5 @@
 """The Responses API's routes: `POST /v1/responses` (served as a chat turn, responses_api.py),
+`POST /v1/responses/input_tokens` (the tokens its input would take, as it would be prompted),
 `GET` and `DELETE /v1/responses/{id}` (the responses kept for `previous_response_id`,
 response_store.py) and `GET /v1/responses/{id}/input_items` (the items a kept response was made
 from). Each tenant reads and deletes its own responses only."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Request
@@ -46,6 +48,22 @@ def _not_kept(response_id: str, param: str, why: str | None = None) -> ApiError:
                          "memory, within responses_store_bytes, until it restarts unless responses_store_file keeps "
                          "them; one sent with store: false is not kept)", type_="not_found_error", param=param,
                     code="response_not_found")
+
+
+@dataclass
+class Prepared:
+    """What a response is made from: the chat request it is served as (`asked`), the messages of
+    the conversation it continues (after truncation auto's cut) and the items it is made from
+    (`inputs`: the earlier turns', then this request's `given`); `held`: the conversation of
+    /v1/conversations it continues, and `new_start` the item its next turns start at, where the cut
+    moved it (None: it did not)."""
+
+    asked: dict
+    conversation: list[dict]
+    inputs: list[dict]
+    given: list[dict]
+    held: Any = None
+    new_start: str | None = None
 
 
 def _event(event: dict) -> str:
@@ -97,13 +115,10 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             turn.end(None)
         return response
 
-    @router.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, http: Request, who: Principal = Depends(principal)):
-        refuse_unsupported(body, UNSUPPORTED_RESPONSE_FIELDS, RESPONSE_HINTS)
-        if body.background and not (body.store and service.responses.keeps):
-            why = "store is false" if not body.store else "kvd keeps no response (responses_store_bytes 0)"
-            raise ApiError(400, f"background: a background response is kept for its client to fetch, and {why}",
-                           param="background")
+    async def prepared(body: ResponsesRequest, who: Principal) -> Prepared:
+        """The chat request `body` is served as, and what it continues (the caller's conversation or
+        previous response), cut where truncation is auto and it does not fit; an ApiError naming the
+        field at fault. Changes nothing kept."""
         earlier: list[dict] = []
         inputs: list[dict] = []  # the items this response is made from: the earlier turns', then its input
         held = None  # the conversation it continues (conversation_store.py)
@@ -144,13 +159,27 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                                 "already (or this input has it twice); send this turn's new items only, each with "
                                 "an id of its own", param=f"input[{taken}].id")
         inputs += given
+        made = Prepared(asked, conversation, inputs, given, held)
         if body.truncation == "auto":  # (the conversation kept for the next turn starts at the cut too)
             instructions = asked["messages"][:len(asked["messages"]) - len(conversation)]
             cut = await fitting(body, instructions, asked, conversation, who.tenant)
             if cut and held is not None:  # the conversation's next turns start here too
-                service.conversations.set_start(held, kept_from(inputs[start:], conversation[:cut]))
-            conversation = conversation[cut:]
-            asked["messages"] = instructions + conversation
+                made.new_start = kept_from(inputs[start:], conversation[:cut])
+            made.conversation = conversation[cut:]
+            asked["messages"] = instructions + made.conversation
+        return made
+
+    @router.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, http: Request, who: Principal = Depends(principal)):
+        refuse_unsupported(body, UNSUPPORTED_RESPONSE_FIELDS, RESPONSE_HINTS)
+        if body.background and not (body.store and service.responses.keeps):
+            why = "store is false" if not body.store else "kvd keeps no response (responses_store_bytes 0)"
+            raise ApiError(400, f"background: a background response is kept for its client to fetch, and {why}",
+                           param="background")
+        made = await prepared(body, who)
+        asked, conversation, inputs, given, held = made.asked, made.conversation, made.inputs, made.given, made.held
+        if made.new_start is not None:
+            service.conversations.set_start(held, made.new_start)
         if body.background:  # streamed from the engine whatever the client asked: its run keeps each event
             asked.update(stream=True, stream_options={"include_usage": True})
         chat_request = ChatCompletionRequest.model_validate(asked)
@@ -194,6 +223,31 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         items.finish(choice["finish_reason"])
         return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation,
                                      inputs, turn), headers=named)
+
+    @router.post("/v1/responses/input_tokens")
+    async def count_input_tokens(body: ResponsesRequest, who: Principal = Depends(principal)):
+        """OpenAI's input token count: the tokens this request's prompt would take, rendered as
+        `POST /v1/responses` would render it (instructions, tools, the conversation or previous
+        response it continues, cut as truncation auto would cut it). Nothing is served or kept."""
+        refuse_unsupported(body, UNSUPPORTED_RESPONSE_FIELDS, RESPONSE_HINTS)
+        service.require_ready()
+        try:
+            service.adapter_named(body.model)
+        except ServiceError as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        asked = (await prepared(body, who)).asked
+
+        def counted() -> int:
+            return len(service.chat_prompt(chat_messages(asked["messages"]), True, False,
+                                           asked["chat_template_kwargs"], checked_tools(asked["tools"]), who.tenant))
+
+        try:
+            tokens = await run_in_threadpool(counted)
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="input", code="chat_template_refused") from None
+        return {"object": "response.input_tokens", "input_tokens": tokens}
 
     async def fitting(body: ResponsesRequest, instructions: list[dict], asked: dict, conversation: list[dict],
                       tenant: str) -> int:

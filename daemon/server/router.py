@@ -599,6 +599,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def responses(http: Request, who: Caller = Depends(caller)):
         return await forward("/v1/responses", http, who)
 
+    @app.post("/v1/responses/input_tokens")  # (at the replica that keeps what it continues, where it does)
+    async def count_input_tokens(http: Request, who: Caller = Depends(caller)):
+        return await forward("/v1/responses/input_tokens", http, who)
+
     @app.get("/v1/responses/{response_id}")
     async def kept_response(response_id: str, http: Request, who: Caller = Depends(caller)):
         return await at_home(response_id, "GET", who, "", http.query_params)  # (?stream=true: its events again)
@@ -991,7 +995,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         hops, prefilled, weighed = 0, None, None
         # the prompt is computed at a prefill replica first (prefill_first); not a response's, which
         # may continue a conversation that only the replica that answered it keeps
-        if service.disaggregated and path != "/v1/responses":
+        if service.disaggregated and not path.startswith("/v1/responses"):
             routed_at = time.time()
             try:
                 params, prefilled, hops, weighed = await prefill_first(path, body, dict(headers), route_id,
