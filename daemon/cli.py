@@ -230,6 +230,9 @@ def serve(
     pin_room_tokens: Optional[int] = typer.Option(
         None, help="Room, in tokens of one request, a new pin must leave beside the pins (default: the context "
                    "served or half the cache, whichever is less; 0: none)."),
+    prompt_cache_breakpoints: Optional[str] = typer.Option(
+        None, help="honour (the prefixes a request marks with OpenAI's prompt_cache_breakpoint are pinned for "
+                   "their ttl, 30m or 12h, from the tenant's pin budget) or ignore. Live on a reload."),
     trace_requests: Optional[int] = typer.Option(
         None, help="Finished requests kept as trace lines for `kvctl trace save` (default 10000; 0: none)."),
     hit_curve: Optional[bool] = typer.Option(
@@ -318,6 +321,7 @@ def serve(
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
                    max_tenant_metric_series=max_tenant_metric_series, max_tracked_tenants=max_tracked_tenants,
                    pin_budget_blocks=pin_budget_blocks, pin_room_tokens=pin_room_tokens,
+                   prompt_cache_breakpoints=prompt_cache_breakpoints,
                    trace_requests=trace_requests, trace_key_file=trace_key_file, hit_curve=hit_curve,
                    hit_curve_tenants=hit_curve_tenants,
                    trace_block_tokens=trace_block_tokens,
@@ -357,7 +361,7 @@ SERVE_HELP_PANELS = {
                            "quick_prefill_tokens",
                            "max_running", "speculative_config", "predicted_outputs", "reservation", "eviction",
                            "pin_budget_blocks",
-                           "pin_room_tokens"),
+                           "pin_room_tokens", "prompt_cache_breakpoints"),
     "Admission and tenants": ("max_queue", "max_queue_wait", "max_tenant_requests", "tenant_request_limits",
                               "tenant_queue_waits", "queue_order", "tenant_priorities", "tenant_cache_shares",
                               "report_cached_tokens"),

@@ -210,6 +210,9 @@ class KvdConfig:
     # (prompt-cache probing, CVE-2025-46570): `admin` where one tenant's callers do not trust each other
     report_cached_tokens: str = "all"
     prompt_cache_retention: str = "honour"  # or ignore: a request's "24h" is served as "in_memory"
+    # honour: the prefixes a request marks with OpenAI's prompt_cache_breakpoint are held for their ttl
+    # (server/cache_breakpoints.py; the tenant's pin budget pays); ignore: served as if it marked none
+    prompt_cache_breakpoints: str = "honour"
     # honour: a chat's `prediction` (OpenAI's Predicted Outputs) is drafted ahead of its reply
     # (engine/speculative.py); ignore: it is served as a chat without one
     predicted_outputs: str = "honour"
@@ -509,7 +512,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"must be one of {', '.join(EVICTION_POLICIES)}")
     if name == "queue_order" and value not in QUEUE_ORDERS:
         raise ValueError(f"must be {', '.join(QUEUE_ORDERS[:-1])} or {QUEUE_ORDERS[-1]}")
-    if name in ("prompt_cache_retention", "predicted_outputs") and value not in RETENTION_SETTINGS:
+    if name in ("prompt_cache_retention", "predicted_outputs", "prompt_cache_breakpoints") \
+            and value not in RETENTION_SETTINGS:
         raise ValueError(f"must be {' or '.join(RETENTION_SETTINGS)}")
     if name == "report_cached_tokens" and value not in CACHED_TOKEN_REPORTS:
         raise ValueError(f"must be {', '.join(CACHED_TOKEN_REPORTS[:-1])} or {CACHED_TOKEN_REPORTS[-1]}")

@@ -103,6 +103,21 @@ def test_a_copy_comes_up_from_a_shared_redis_at_once(tmp_path, redis_server):
             service.shutdown(deadline=2)
 
 
+def test_a_request_s_prompt_cache_breakpoint_hold_stays_where_the_request_ran(tmp_path):
+    from .test_cache_breakpoints import chat_body
+
+    services = [start_service(tmp_path / "a", num_blocks=128), start_service(tmp_path / "b", num_blocks=128)]
+    try:
+        answer = call(unix_app(services[0]), "POST", "/v1/chat/completions", json=chat_body(SYSTEM)).json()
+        assert answer["usage"]["prompt_tokens_details"]["cache_write_tokens"] > 0
+        body = sync(router_over(services)).json()
+        assert (body["result"], body["copied"], body["pins"]) == ("ok", 0, [])
+        assert [p["owner"] for p in pins_of(services[0])] == ["prompt_cache_breakpoint"] and pins_of(services[1]) == []
+    finally:
+        for service in services:
+            service.shutdown(1)
+
+
 def test_a_stranded_pin_is_copied_nowhere_and_a_copy_keeps_the_adapter_its_keys_were_made_under(tmp_path):
     """A pin whose keys were made in a block space its replica no longer serves (scales since
     recalibrated, say) reaches nothing on any replica of the fleet's space: sync-pins leaves it

@@ -50,7 +50,7 @@ from .errors import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest,
                      UnknownSequence)
 from .hit_curve import HitCurve
 from .keys import BlockKey, Namespace, PrefixHasher, chain_keys, validate_block_size
-from .pins import Pin, PinRegistry, pin_id_for, pin_origin
+from .pins import BREAKPOINT_OWNER, Pin, PinRegistry, pin_id_for, pin_origin
 from .pool import BlockPool
 
 
@@ -724,6 +724,7 @@ class KVCacheManager:
             existing = self.pins.get(pin_id)
             was = {"owner": existing.owner, "note": existing.note, "expires_at": existing.expires_at}
             existing.owner, existing.note, existing.expires_at = owner, note, expires
+            existing.breakpoint = False  # (a breakpoint's hold pinned by an operator is theirs now)
             existing.space = existing.space if space is None else space
             existing.adapter_id = existing.adapter_id if adapter_id is None else adapter_id
             return PinResult(existing, cached, len(key_tuple) - cached, refreshed=True, was=was)
@@ -739,6 +740,28 @@ class KVCacheManager:
         self.pins.add(pin)
         self.pool.add_pin_refs(key_tuple, now)
         return PinResult(pin, cached, len(key_tuple) - cached, refreshed=False)
+
+    def hold(self, tenant: str, keys: Sequence[BlockKey], ttl: float, *, space: str | None = None,
+             adapter_id: str | None = None) -> str:
+        """Keep a request's prompt cache breakpoint (daemon/server/cache_breakpoints.py): the chain
+        `keys` pinned for `tenant` for `ttl` seconds from now, as a pin marked `breakpoint`, owned by
+        BREAKPOINT_OWNER. "held": a new one; "extended": the tenant's breakpoint pin of these keys
+        lives `ttl` from now where that is later than it would; "pinned": an operator's pin holds
+        them already (left as it is). PinBudgetExceeded or PinLeavesNoRoom as `pin_keys`."""
+        key_tuple = tuple(keys)
+        pin_id = pin_id_for(tenant, key_tuple)
+        if pin_id in self.pins:
+            existing = self.pins.get(pin_id)
+            if not existing.breakpoint:
+                return "pinned"
+            until = self._clock() + ttl
+            if existing.expires_at is not None and until > existing.expires_at:
+                existing.expires_at = until
+            return "extended"
+        result = self.pin_keys(tenant, key_tuple, ttl=ttl, owner=BREAKPOINT_OWNER,
+                               note="a request's prompt_cache_breakpoint", space=space, adapter_id=adapter_id)
+        result.pin.breakpoint = True
+        return "held"
 
     def room_beside_pins(self, keys: Sequence[BlockKey], reuse: bool = True) -> tuple[int, int]:
         """(the cached blocks pins hold outside the cached prefix of these block keys, the most

@@ -34,6 +34,9 @@ class Pin:
     # recorded them)
     space: str | None = None
     adapter_id: str | None = None
+    # held for a request's prompt cache breakpoint (KVCacheManager.hold): not stored, its TTL only
+    # ever extended by the requests that mark it again; an operator's pin of the same keys makes it theirs
+    breakpoint: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -44,7 +47,11 @@ class Pin:
             "pin_id": self.pin_id, "tenant": self.tenant, "blocks": len(self.keys),
             "owner": self.owner, "note": self.note, "created_at": self.created_at,
             "expires_at": self.expires_at, "space": self.space, "adapter_id": self.adapter_id,
+            **({"breakpoint": True} if self.breakpoint else {}),
         }
+
+
+BREAKPOINT_OWNER = "prompt_cache_breakpoint"  # the owner of a pin held for a request's breakpoint
 
 
 def pin_id_for(tenant: str, keys: tuple[BlockKey, ...]) -> str:

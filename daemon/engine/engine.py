@@ -37,7 +37,8 @@ from typing import Callable, Iterable
 import numpy
 import torch
 
-from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHasher
+from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PinBudgetExceeded, PinLeavesNoRoom, PrefixHasher
+from kvctl.daemon.cache.pins import pin_origin
 from kvctl.daemon.cache.events import EventLog
 from kvctl.daemon.cache.hit_curve import HitCurve, alone_tenants, sizes_for
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
@@ -154,6 +155,9 @@ class EngineStats:
     # their output reservation they never wrote (what a shorter reservation would have left free)
     finished_blocks: int = 0
     reserved_unused_blocks: int = 0
+    # requests' prompt cache breakpoints by what became of each: held, extended, pinned (an operator's
+    # pin holds it), short (under a block), over_budget (the tenant's pins), no_room (pin_room_tokens)
+    breakpoints: dict[str, int] = field(default_factory=dict)
     # per cache call; drained by the server (an engine used without one keeps the latest 65,536)
     alloc_seconds: deque = field(default_factory=lambda: deque(maxlen=65536))
     # model steps by kind: decode, mixed, prefill, and quick (a short prefill ahead of the decodes)
@@ -883,6 +887,31 @@ class Engine:
         if written:  # (whose requests write to disk: kvctl tenants)
             self.stats.tenants.add_quietly(seq.request.tenant, RETAINED, written)
 
+    def _hold_breakpoints(self, request: Request) -> None:
+        """The prefixes `request` marked with OpenAI's prompt cache breakpoints (params.extra
+        "breakpoints": (tokens, seconds, ttl) each, daemon/server/cache_breakpoints.py), held for
+        their lifetimes as its first sample finishes (KVCacheManager.hold): each outcome counted,
+        and what was newly held noted in its metrics (its usage's cache_write_tokens)."""
+        marks = request.params.extra.get("breakpoints")
+        if not marks or request.metrics.cache_written is not None:
+            return
+        request.metrics.cache_written = []
+        namespace = self.request_namespace(request)
+        size = self.settings.block_size
+        keys = self._keys_in(namespace, request.prompt_ids[:max(tokens for tokens, _, _ in marks)])[2]
+        for tokens, seconds, ttl in marks:
+            blocks = tokens // size
+            try:
+                outcome = self.cache.hold(namespace.tenant, keys[:blocks], seconds, **pin_origin(namespace)) \
+                    if blocks else "short"
+            except PinBudgetExceeded:
+                outcome = "over_budget"
+            except PinLeavesNoRoom:
+                outcome = "no_room"
+            self.stats.breakpoints[outcome] = self.stats.breakpoints.get(outcome, 0) + 1
+            if outcome == "held":
+                request.metrics.cache_written.append((blocks * size, ttl))
+
     PREFETCH_POLL = 0.05  # seconds an idle engine waits at most for a held request's fetch before it looks again
 
     def _admit(self) -> None:
@@ -1455,6 +1484,7 @@ class Engine:
         if self.tiers is not None and seq.request.params.extra.get("retain") and seq.seq_id in self.cache:
             self._retain(seq)
         if ran:
+            self._hold_breakpoints(seq.request)
             held, unused = self.cache.holding(seq.seq_id)
             self.stats.finished_blocks += held
             self.stats.reserved_unused_blocks += unused

@@ -33,6 +33,8 @@ class RequestMetrics:
     # blocks its samples held at their finish (not cancelled), and of those reserved for output never written
     finished_blocks: int = 0
     reserved_unused_blocks: int = 0
+    # (tokens, ttl) of each prefix its prompt cache breakpoints newly held as it finished (None: not yet)
+    cache_written: list | None = None
     passed_over: int = 0  # requests that arrived after it and were admitted while it waited
     drafted_tokens: int = 0  # speculative draft tokens its samples' steps carried (engine/speculative.py)
     kept_draft_tokens: int = 0  # of those, the ones its samples took

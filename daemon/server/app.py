@@ -38,7 +38,7 @@ from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, Sa
 from kvctl.daemon.model.chat_template import ChatTemplateError
 from kvctl.daemon.store import StoreUnavailable
 
-from . import device_loss, invalid_request, kv_transfer, service_tiers
+from . import cache_breakpoints, device_loss, invalid_request, kv_transfer, service_tiers
 from .admin_routes import admin_routes
 from .admin_slots import AdminWriteSlots
 from .api_errors import ApiError, checked_ids, error_body, refuse_unsupported
@@ -294,6 +294,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 constraint = forced_calls(tools, parser, tool_name, body.parallel_tool_calls is not False,
                                           loaded.tokenizer.kept_specials if loaded is not None else None)
             constraint = answer_only(constraint, service.config.reasoning_parser)
+            marked = cache_breakpoints.marks(body.messages, body.prompt_cache_options)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)
@@ -315,6 +316,15 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                code="context_length_exceeded")
         shape = chat_shape(body, tool_mode)
         params = sampling(body, limit, api, logprobs, body.prompt_logprobs, constraint, who.tenant)
+        if marked and service.config.prompt_cache_breakpoints == "honour":
+            def ending_inside(upto: list[dict]) -> list[int]:  # (a template that cannot: that mark is not placed)
+                try:
+                    return service.chat_prompt(chat_messages(upto), False, True, kwargs, tools, tenant=splicing)
+                except (MessagesError, ChatTemplateError):
+                    return []
+
+            params.extra["breakpoints"] = await run_in_threadpool(cache_breakpoints.prefix_lengths, body.messages,
+                                                                  marked, ending_inside, ids)
         if predicted:  # its tokens, as the model would write them (no special token a prompt starts with)
             prediction = await run_in_threadpool(engine.tokenizer.encode, predicted, False)
             params = dataclasses.replace(params, prediction=tuple(prediction))

@@ -92,6 +92,7 @@ class GenerationFields(BaseModel):
     # OpenAI's: "24h" writes the request's blocks to the persistent tiers as it finishes (Engine._retain);
     # "in_memory" (or "in-memory"), as by default, keeps them as the write policy does
     prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None  # OpenAI's: its ttl for the breakpoints that name none (cache_breakpoints.py)
     # vLLM's: logprobs name tokens "token_id:N", so tokens of one text (parts of a character) stay apart
     return_tokens_as_token_ids: bool | None = False
     # vLLM's: the answer names the prompt's ids too (`prompt_token_ids`: on each choice of a

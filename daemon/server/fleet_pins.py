@@ -14,7 +14,8 @@ where it is, its scales recalibrated say, goes nowhere).
 
 A replica that joins a running router (`--replicas-file` and SIGHUP) gets the fleet's pins this
 way by itself, once it answers ready (`RouterService.add`); `kvctl fleet sync-pins` does it for
-every replica at once, on demand.
+every replica at once, on demand. A request's prompt cache breakpoint holds its prefix where it ran
+(its next turns go there): that pin is not copied.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ async def sync_pins(replicas: Sequence, ask: Ask = fan_out, only: str | None = N
         if status != 200:
             continue
         for pin in body["pins"]:
+            if pin.get("breakpoint"):  # a request's hold (cache_breakpoints.py) stays where the request ran
+                continue
             # the space its keys were made in (a pin a recalibration stranded names the earlier one)
             entry = held.setdefault(pin["pin_id"], {"pin": pin, "space": pin.get("space") or spaces[i], "on": []})
             entry["on"].append(i)

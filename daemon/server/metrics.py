@@ -56,6 +56,9 @@
                                               for output they never wrote: their ratio is the reservation's waste
     kvd_admitted_ahead_total                  requests admitted while one that arrived earlier still waited
                                               (queue_order lpm or priority, a prefix fetch, a LoRA turn)
+    kvd_prompt_cache_breakpoints_total{outcome}  requests' prompt_cache_breakpoint marks as they finished:
+                                              held, extended, pinned (an operator's pin holds it), short
+                                              (under a block), over_budget (the tenant's pins), no_room
     kvd_spec_decode_drafts_total              speculative decoding (speculative_config): decode steps that
                                               carried a draft; kvd_spec_decode_draft_tokens_total, the
                                               tokens drafted; kvd_spec_decode_accepted_tokens_total, those the
@@ -262,6 +265,7 @@ class _EngineCollector:
                                                         stats.recomputed_tokens, stats.preemptions)
                 finished_blocks, unused_blocks = stats.finished_blocks, stats.reserved_unused_blocks
                 admitted_ahead = stats.admitted_ahead
+                breakpoints = dict(stats.breakpoints)
                 steps, step_seconds = dict(stats.steps), dict(stats.step_seconds)
                 by_tenant, retired = stats.tenants.items(), list(stats.tenants.retired)
                 cached_by_tenant = sorted((t, n) for t, n in pool.tenant_blocks.items() if t is not None)
@@ -470,6 +474,11 @@ class _EngineCollector:
         yield CounterMetricFamily("kvd_admitted_ahead", "Requests admitted while one that arrived earlier still "
                                   "waited (queue_order lpm or priority, a prefix fetch, a LoRA adapter's turn)",
                                   value=admitted_ahead)
+        marks = CounterMetricFamily("kvd_prompt_cache_breakpoints", "Requests' prompt_cache_breakpoint marks as they "
+                                    "finished, by what became of each", labels=["outcome"])
+        for outcome in ("held", "extended", "pinned", "short", "over_budget", "no_room"):
+            marks.add_metric([outcome], breakpoints.get(outcome, 0))
+        yield marks
         yield from _speculation_metrics(speculation)
         yield from _prediction_metrics(predicted)
         yield GaugeMetricFamily("kvd_queue_age_seconds", "Age of the oldest waiting request",

@@ -423,6 +423,8 @@ def expire_pins(service) -> None:
     with service.lock:
         lapsed = service.engine.cache.expire_pins() if service.engine else []
     for pin in lapsed:
+        if pin.breakpoint:  # (a request's breakpoint: never stored, and not audited a request at a time)
+            continue
         forget_stored_pin(service, pin.pin_id)
         service.store.audit(actor="ttl", tenant=pin.tenant, action="unpin", target=pin.pin_id,
                             result="expired", detail={})

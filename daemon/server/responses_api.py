@@ -44,7 +44,7 @@ RESPONSE_HINTS = {
 PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "user", "ignore_eos",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
              "priority", "return_tokens_as_token_ids", "kv_transfer_params", "parallel_tool_calls",
-             "prompt_cache_retention", "service_tier")
+             "prompt_cache_retention", "prompt_cache_options", "service_tier")
 CARRY_REASONING = "reasoning.encrypted_content"  # reasoning items carry their text (reasoning_blob.py)
 INCLUDED = (CARRY_REASONING, OUTPUT_LOGPROBS)  # the `include` values kvd serves
 
@@ -178,8 +178,10 @@ def chat_body(body: ResponsesRequest, earlier: list[dict], reads: frozenset | se
 def usage_of(chat_usage: dict, reasoning_tokens: int) -> dict:
     """The chat's usage in the Responses API's names. `cached_tokens` is 0 where kvd does not
     report them to this caller (report_cached_tokens), as the chat's answer leaves them out."""
-    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+    details = chat_usage.get("prompt_tokens_details") or {}
+    written = {k: details[k] for k in ("cache_write_tokens", "cache_write_tokens_details") if k in details}
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0), **written},
             "output_tokens": chat_usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": chat_usage["total_tokens"]}

@@ -35,6 +35,17 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _content_of(content: Any, where: str) -> Any:
+    """An item's content as a chat message's: its text (_text_of), or where a part marks a prompt
+    cache breakpoint, its parts as the chat's text parts, each mark kept (cache_breakpoints.py)."""
+    text = _text_of(content, where)
+    if isinstance(content, list) and any("prompt_cache_breakpoint" in part for part in content):
+        return [{"type": "text", "text": part["text"], **({"prompt_cache_breakpoint": part["prompt_cache_breakpoint"]}
+                                                         if "prompt_cache_breakpoint" in part else {})}
+                for part in content]
+    return text
+
+
 def _blob_text(item: dict, where: str) -> str | None:
     """The text a reasoning item's `encrypted_content` carries (reasoning_blob.py); None where it
     has none, or one kvd cannot read (another server's)."""
@@ -97,7 +108,7 @@ def input_messages(raw: Any, field: str = "input", kept: bool = False) -> list[d
             if role is None:
                 raise MessagesError(f"{where}.role: must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
                                     f"{where}.role")
-            message = {"role": role, "content": _text_of(item.get("content"), f"{where}.content")}
+            message = {"role": role, "content": _content_of(item.get("content"), f"{where}.content")}
         elif kind == "function_call":
             call = {"type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             for key in ("call_id", "name", "arguments"):
@@ -114,7 +125,7 @@ def input_messages(raw: Any, field: str = "input", kept: bool = False) -> list[d
                 raise MessagesError(f"{where}.call_id: must be a string, got {item.get('call_id')!r}",
                                     f"{where}.call_id")
             message = {"role": "tool", "tool_call_id": item["call_id"],
-                       "content": _text_of(item.get("output"), f"{where}.output")}
+                       "content": _content_of(item.get("output"), f"{where}.output")}
         elif kind == "reasoning":
             if thought is not None:
                 raise MessagesError(f"{where}: two reasoning items in a row; send one per assistant turn", where)

@@ -10,6 +10,8 @@ tenant's token shared by a public app's users). Timing stays: a prefix hit is fa
 
 from __future__ import annotations
 
+from .cache_breakpoints import written
+
 # kvd router forwards completions as an admin; this header carries its caller's role, so a
 # replica reports to a user behind the router as it would to the user itself. It can only take
 # away: an admin role is never read from it.
@@ -34,6 +36,8 @@ def usage(requests, counted: bool = True, cached: bool = True) -> dict:
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": sum(r.metrics.cached_tokens for r in requests)}
+        if any(r.params.extra.get("breakpoints") for r in requests):  # (cache_breakpoints.py)
+            out["prompt_tokens_details"].update(written([w for r in requests for w in r.metrics.cache_written or ()]))
     if any(r.params.prediction for r in requests):  # OpenAI's Predicted Outputs: the drafts of its prediction
         kept = sum(r.metrics.kept_predicted_tokens for r in requests)
         out["completion_tokens_details"] = {
