@@ -227,3 +227,28 @@ def test_a_response_s_marked_input_is_held_and_ignore_or_a_full_budget_holds_not
             assert f'kvd_prompt_cache_breakpoints_total{{outcome="over_budget"}} {0 if ignored else 1}.0' in scraped
         finally:
             service.shutdown(1)
+
+
+def test_a_held_prefix_outlives_traffic_that_evicts_an_unmarked_one(tmp_path):
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, call, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=96)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        marked, plain = SYSTEM + "Marked.", "Plain. " + SYSTEM  # (plain shares no block with marked)
+        unmarked_body = {**chat_body(plain), "messages": [{"role": "system", "content": plain},
+                                                          {"role": "user", "content": "Status?"}]}
+        call(unix, "POST", "/v1/chat/completions", json=chat_body(marked))
+        call(unix, "POST", "/v1/chat/completions", json=unmarked_body)
+        warm = call(unix, "POST", "/v1/chat/completions", json=unmarked_body).json()
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 16  # (cached, until the traffic)
+        for i in range(12):  # other traffic: more than the cache holds, each prompt its own
+            call(unix, "POST", "/v1/chat/completions", json={"max_tokens": 2, "ignore_eos": True, "messages": [
+                {"role": "user", "content": f"{i} " + "other traffic that fills the cache. " * 12}]})
+        again = call(unix, "POST", "/v1/chat/completions", json=chat_body(marked)).json()
+        plain_again = call(unix, "POST", "/v1/chat/completions", json=unmarked_body).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == held_tokens(service, marked)
+        assert plain_again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        service.shutdown(1)
