@@ -48,6 +48,27 @@ class Receiver:
         return [client.webhooks.unwrap(body, headers, secret=secret) for _, headers, body in self.got]
 
 
+async def a_completed_batch(client):
+    """A batch of one chat line, made by `client` (OpenAI's, of a tenant) and waited for until it ends."""
+    from .test_batches_api import CHAT, SYSTEMS, chat_line, jsonl, until_ended
+
+    kept = await client.files.create(file=("in.jsonl", jsonl([chat_line("a", SYSTEMS[0], "Hi?")])), purpose="batch")
+    return await until_ended(client, (await client.batches.create(input_file_id=kept.id, endpoint=CHAT,
+                                                                  completion_window="24h")).id)
+
+
+def kvd_telling_acme(tmp_path):
+    """A kvd whose webhooks_file names tenant acme's endpoint, its events delivered to a Receiver:
+    (service, receiver, its TCP app)."""
+    from .daemon_fixtures import apps, start_service, token_table
+
+    path = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
+    service = start_service(tmp_path, webhooks_file=str(path))
+    receiver = Receiver()
+    service.webhooks.transport = receiver.transport
+    return service, receiver, apps(service, token_table(tmp_path))[1]
+
+
 async def until(condition, seconds: float = 10.0) -> None:
     for _ in range(int(seconds / 0.01)):
         if condition():
@@ -169,28 +190,21 @@ def test_an_event_is_dropped_once_past_three_days_and_said_in_the_log(tmp_path, 
 
 # ---- from kvd --------------------------------------------------------------------------------
 def test_kvd_tells_each_tenant_s_endpoint_when_its_batch_or_background_response_ends(tmp_path):
-    from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, apps, call, start_service, token_table
-    from .test_batches_api import CHAT, SYSTEMS, chat_line, jsonl, until_ended
+    from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, call
+    from .test_batches_api import CHAT
     from .test_responses_api import client_for
 
-    path = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
-    service = start_service(tmp_path, webhooks_file=str(path))
-    receiver = Receiver()
-    service.webhooks.transport = receiver.transport
+    service, receiver, tcp = kvd_telling_acme(tmp_path)
     try:
-        _, tcp = apps(service, token_table(tmp_path))
 
         async def go():
             service.webhooks.start()
             acme = client_for(tcp, USER_TOKEN)
-            good = await acme.files.create(file=("in.jsonl", jsonl([chat_line("a", SYSTEMS[0], "Hi?")])),
-                                           purpose="batch")
-            done = await until_ended(acme, (await acme.batches.create(
-                input_file_id=good.id, endpoint=CHAT, completion_window="24h")).id)
+            done = await a_completed_batch(acme)
             bad = await acme.files.create(file=("bad.jsonl", b"{not json\n"), purpose="batch")
             failed = await acme.batches.create(input_file_id=bad.id, endpoint=CHAT, completion_window="24h")
             background = await acme.responses.create(model="kvd-demo-llama-v1", input="Say hi.", background=True,
-                                                     max_output_tokens=4)
+                                                     max_output_tokens=4, extra_body={"ignore_eos": True})
             while (background := await acme.responses.retrieve(background.id)).status in ("queued", "in_progress"):
                 await asyncio.sleep(0.05)
             await until(lambda: len(receiver.got) == 3 and not service.webhooks.pending)
@@ -198,7 +212,7 @@ def test_kvd_tells_each_tenant_s_endpoint_when_its_batch_or_background_response_
 
         done, failed, background = asyncio.run(go())
         events = receiver.events()
-        assert background.status == "incomplete"  # (its 4 tokens ran out: response.incomplete, as OpenAI's)
+        assert background.status == "incomplete"  # (its 4 tokens ran out, no EOS: response.incomplete, as OpenAI's)
         assert sorted((e.type, e.data.id) for e in events) == sorted([
             ("batch.completed", done.id), ("batch.failed", failed.id), ("response.incomplete", background.id)])
         assert {url for url, _, _ in receiver.got} == {"https://acme.example/hooks"}
@@ -212,7 +226,6 @@ def test_kvd_tells_each_tenant_s_endpoint_when_its_batch_or_background_response_
 
 def test_a_batch_end_whose_event_could_not_be_written_is_told_at_kvd_s_next_start(tmp_path, caplog):
     from .daemon_fixtures import USER_TOKEN, apps, start_service, token_table
-    from .test_batches_api import CHAT, SYSTEMS, chat_line, jsonl, until_ended
     from .test_responses_api import client_for
 
     path = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
@@ -223,10 +236,7 @@ def test_a_batch_end_whose_event_could_not_be_written_is_told_at_kvd_s_next_star
 
         async def go():
             acme = client_for(tcp, USER_TOKEN)
-            kept = await acme.files.create(file=("in.jsonl", jsonl([chat_line("a", SYSTEMS[0], "Hi?")])),
-                                           purpose="batch")
-            return await until_ended(acme, (await acme.batches.create(
-                input_file_id=kept.id, endpoint=CHAT, completion_window="24h")).id)
+            return await a_completed_batch(acme)
 
         done = asyncio.run(go())
         assert done.status == "completed"
@@ -329,21 +339,15 @@ def test_an_operator_sees_the_endpoints_and_the_events_waiting_and_tries_them_no
 
 
 def test_an_operator_tells_an_ended_batch_s_or_background_response_s_end_again_under_its_event_id(tmp_path):
-    from .daemon_fixtures import ADMIN_TOKEN, GLOBEX_TOKEN, USER_TOKEN, apps, assert_admin_only, start_service, \
-        token_table
-    from .test_batches_api import CHAT, SYSTEMS, chat_line, jsonl, until_ended
+    from .daemon_fixtures import ADMIN_TOKEN, GLOBEX_TOKEN, USER_TOKEN, assert_admin_only
     from .test_responses_api import client_for
 
-    path = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
-    service = start_service(tmp_path, webhooks_file=str(path))
-    receiver = Receiver()
-    service.webhooks.transport = receiver.transport
+    service, receiver, tcp = kvd_telling_acme(tmp_path)
     try:
-        _, tcp = apps(service, token_table(tmp_path))
 
         async def background(client, **fields):
             made = await client.responses.create(model="kvd-demo-llama-v1", input="Say hi.", max_output_tokens=2,
-                                                 **fields)
+                                                 extra_body={"ignore_eos": True}, **fields)  # (incomplete: 2 tokens)
             while made.status in ("queued", "in_progress"):
                 await asyncio.sleep(0.05)
                 made = await client.responses.retrieve(made.id)
@@ -352,10 +356,7 @@ def test_an_operator_tells_an_ended_batch_s_or_background_response_s_end_again_u
         async def go():
             service.webhooks.start()
             acme = client_for(tcp, USER_TOKEN)
-            kept = await acme.files.create(file=("in.jsonl", jsonl([chat_line("a", SYSTEMS[0], "Hi?")])),
-                                           purpose="batch")
-            done = await until_ended(acme, (await acme.batches.create(
-                input_file_id=kept.id, endpoint=CHAT, completion_window="24h")).id)
+            done = await a_completed_batch(acme)
             ran = await background(acme, background=True)
             plain = await background(acme)
             elsewhere = await background(client_for(tcp, GLOBEX_TOKEN), background=True)  # (no endpoint)
