@@ -44,6 +44,11 @@ def test_models_and_a_text_completion(daemon):
     service, unix, _ = daemon
     models = call(unix, "GET", "/v1/models").json()
     assert models["data"][0]["id"] == service.model_name == "kvd-demo-llama-v1"
+    assert call(unix, "GET", f"/v1/models/{service.model_name}").json() == models["data"][0]
+    nope = call(unix, "GET", "/v1/models/acme/nope")
+    assert nope.status_code == 404 and nope.json()["error"]["message"] == (
+        "model: 'acme/nope' is not served here; GET /v1/models lists 'kvd-demo-llama-v1'")
+    assert nope.json()["error"]["code"] == "model_not_found"
     body = complete(unix, prompt=SYSTEM + "Q1", model=service.model_name).json()
     choice = body["choices"][0]
     assert body["object"] == "text_completion" and len(choice["token_ids"]) == 6

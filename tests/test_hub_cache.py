@@ -85,6 +85,10 @@ def test_kvd_serves_a_cached_model_under_its_hub_id_and_capacity_reads_it(tmp_pa
     try:
         unix, _ = apps(service, token_table(tmp_path))
         assert call(unix, "GET", "/v1/models").json()["data"][0]["id"] == "acme/tiny-llama"
+        import asyncio
+
+        from .test_responses_api import client_for  # (OpenAI's client sends the slash in its id as it likes)
+        assert asyncio.run(client_for(unix).models.retrieve("acme/tiny-llama")).id == "acme/tiny-llama"
         answer = call(unix, "POST", "/v1/completions", json={"model": "acme/tiny-llama", "prompt": "hi",
                                                              "max_tokens": 2})
         assert answer.status_code == 200 and answer.json()["model"] == "acme/tiny-llama"

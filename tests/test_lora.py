@@ -228,6 +228,7 @@ def test_kvd_serves_each_adapter_under_its_name_with_its_own_cached_prefixes(bas
         listed = call(unix, "GET", "/v1/models").json()["data"]
         assert [(m["id"], m["parent"]) for m in listed] == [
             (base_dir.name, None), ("sql", base_dir.name), ("chat-b", base_dir.name)]
+        assert call(unix, "GET", "/v1/models/sql").json() == listed[1]
         body = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "temperature": 0}
         answers = [call(unix, "POST", "/v1/completions", json={**body, "model": model}).json()
                    for model in ("sql", "sql", base_dir.name, "chat-b")]

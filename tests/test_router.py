@@ -1048,6 +1048,10 @@ def test_the_router_lists_a_model_with_the_least_max_model_len_of_its_replicas(r
         [listed] = drive(app, [lambda c: c.get("/v1/models")])
         model = alone.json()["data"][0]["id"]
         assert [(m["id"], m["max_model_len"]) for m in listed.json()["data"]] == [(model, 512)]
+        one, none = drive(app, [lambda c: c.get(f"/v1/models/{model}"), lambda c: c.get("/v1/models/nope")])
+        assert one.json() == listed.json()["data"][0]
+        assert none.status_code == 404 and none.json()["error"]["message"] == (
+            f"model: 'nope' is not served by any replica; GET /v1/models lists {model!r}")
         [status] = drive(app, [lambda c: c.get("/admin/status")])
         assert status.json()["differences"] == [
             {"field": "model.max_model_len", "label": "context limit", "why": "a long request fits some of them only",

@@ -239,14 +239,24 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return Response(text, media_type=media)
 
     # ---- OpenAI-compatible -------------------------------------------------------------------
-    @app.get("/v1/models")
-    async def models(_: Principal = Depends(principal)):  # flags and fields only: on the loop, as the probes
+    def served_models() -> list[dict]:
+        """The model served, then each LoRA adapter under its own name, its parent the model (as vLLM
+        lists them). Flags and fields only: on the loop, as the probes."""
         engine = service.require_ready()
         base = {"id": service.model_name, "object": "model", "created": int(service.started_at), "owned_by": "kvd",
                 "root": service.model_name, "parent": None, "max_model_len": engine.context_limit}
-        # each LoRA adapter under its own name, its parent the model (as vLLM lists them)
-        return {"object": "list", "data": [base] + [{**base, "id": name, "root": name, "parent": service.model_name}
-                                                    for name in service.adapters()]}
+        return [base] + [{**base, "id": name, "root": name, "parent": service.model_name}
+                         for name in service.adapters()]
+
+    @app.get("/v1/models")
+    async def models(_: Principal = Depends(principal)):
+        return {"object": "list", "data": served_models()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, _: Principal = Depends(principal)):
+        """One of them (`client.models.retrieve`): a 404 naming what is served where it is not."""
+        served(model_id, service.require_ready())
+        return next(listed for listed in served_models() if listed["id"] == model_id)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request, who: Principal = Depends(principal)):

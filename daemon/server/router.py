@@ -531,21 +531,37 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         answers = await each_replica(replicas, "GET", "/admin/checks")
         return fleet_report([(r.name, code, body) for r, (code, body) in zip(replicas, answers)], service.status())
 
-    @app.get("/v1/models")
-    async def models(_: Caller = Depends(caller)):
+    async def fleet_models() -> list[dict] | None:
         """Every model some replica serves, once each; its max_model_len the least of theirs, so a
-        request sized to it fits whichever replica it is sent to."""
+        request sized to it fits whichever replica it is sent to. None: no replica answered."""
         listed = [body["data"] for status, body in await each_replica(service.replicas, "GET", "/v1/models")
                   if status == 200 and isinstance(body, dict) and isinstance(body.get("data"), list)]
         if not listed:
-            return error(503, "no replica answered", "no_replica")
+            return None
         data = {}
         for models_of_one in listed:
             for model in models_of_one:
                 seen = data.setdefault(model["id"], dict(model))
                 if isinstance(model.get("max_model_len"), int) and isinstance(seen.get("max_model_len"), int):
                     seen["max_model_len"] = min(seen["max_model_len"], model["max_model_len"])
-        return {"object": "list", "data": list(data.values())}
+        return list(data.values())
+
+    @app.get("/v1/models")
+    async def models(_: Caller = Depends(caller)):
+        data = await fleet_models()
+        return error(503, "no replica answered", "no_replica") if data is None else {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, _: Caller = Depends(caller)):
+        """One model of the fleet's, as /v1/models lists it; a 404 where no replica serves it."""
+        data = await fleet_models()
+        if data is None:
+            return error(503, "no replica answered", "no_replica")
+        for listed in data:
+            if listed["id"] == model_id:
+                return listed
+        return error(404, f"model: {model_id!r} is not served by any replica; GET /v1/models lists "
+                          f"{', '.join(sorted(repr(m['id']) for m in data))}", "model_not_found")
 
     @app.get("/health")
     async def health():
