@@ -178,6 +178,11 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
         replica_lines(d, lambda row: f"{row['cached_blocks']} cached" + (", warmed" if row["warmed"] else ""))
         if d.get("was"):
             Console().print(pinned_again(d["was"], d), highlight=False, soft_wrap=True)
+        if d.get("let_go_holds"):
+            holds = len(d["let_go_holds"])
+            Console().print(f"{holds} of tenant {d['tenant']}'s requests' prompt cache breakpoint hold"
+                            f"{'s' if holds != 1 else ''} let go for room in its pin budget", highlight=False,
+                            soft_wrap=True)
         missing = d["blocks"] - d["cached_blocks"]
         if not fleet and missing > 0 and not d["warmed"]:  # the warm was cancelled or is still running
             them = "them" if missing != 1 else "it"

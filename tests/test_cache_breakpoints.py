@@ -252,3 +252,52 @@ def test_a_held_prefix_outlives_traffic_that_evicts_an_unmarked_one(tmp_path):
         assert plain_again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         service.shutdown(1)
+
+
+def test_an_operator_s_pin_past_the_budget_lets_go_of_the_holds_that_lapse_soonest_where_that_makes_room(clock):
+    m = make_manager(num_blocks=16, clock=clock, pin_budget_blocks=4)
+    soon, later = chain_keys(ACME, PROMPT)[:3], chain_keys(ACME, list(range(200, 204)))
+    assert m.hold("acme", soon, 1800.0) == m.hold("acme", later, 43200.0) == "held"
+    soon_id = m.pins.all()[0].pin_id
+    too_long = chain_keys(ACME, list(range(400, 420)))  # 5 blocks: past the budget with every hold gone
+    with pytest.raises(PinBudgetExceeded):
+        m.pin_keys("acme", too_long, owner="ops")
+    assert m.pins.used("acme") == 4 and len(m.pins.all()) == 2  # (nothing let go for a pin that cannot fit)
+    result = m.pin_keys("acme", chain_keys(ACME, list(range(300, 312))), owner="ops", note="support desk")
+    assert result.let_go == (soon_id,)  # the hold that lapses soonest, and no more than room needs
+    assert sorted((p.owner, p.num_blocks) for p in m.pins.all()) == [("ops", 3), ("prompt_cache_breakpoint", 1)]
+    with pytest.raises(PinBudgetExceeded):  # a request's hold lets go of nothing
+        m.hold("acme", chain_keys(ACME, list(range(500, 504))), 43200.0)
+    m.audit()
+
+
+def test_kvctl_pin_says_which_holds_gave_way():
+    from .kvctl_fakes import kvctl_answered
+
+    answer = {"pin_id": "pin-1", "tenant": "acme", "blocks": 3, "cached_blocks": 3, "warmed": False,
+              "refreshed": False, "expires_in_seconds": None, "let_go_holds": ["pin-2", "pin-3"]}
+    said = kvctl_answered(["pin", "You are the support desk.", "--tenant", "acme"], answer)
+    assert said.exit_code == 0 and said.output == (
+        "pinned pin-1: 3 blocks for tenant acme (3 cached)\n"
+        "2 of tenant acme's requests' prompt cache breakpoint holds let go for room in its pin budget\n")
+
+
+def test_kvd_lets_a_hold_go_for_an_operator_s_pin_and_says_so_in_the_answer_and_the_audit(tmp_path):
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, call, start_service, token_table
+
+    probe = start_service(tmp_path / "probe", num_blocks=128)
+    blocks = held_tokens(probe, SYSTEM) // probe.config.block_size
+    probe.shutdown(1)
+    service = start_service(tmp_path, num_blocks=128, pin_budget_blocks=blocks)  # (the hold spends it all)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        call(unix, "POST", "/v1/chat/completions", json=chat_body(SYSTEM))
+        [hold] = call(unix, "GET", "/admin/pins").json()["pins"]
+        pinned = call(unix, "POST", "/admin/pins", json={"tokens": list(range(3, 35)), "note": "desk"}).json()
+        assert pinned["let_go_holds"] == [hold["pin_id"]]
+        assert [p["pin_id"] for p in call(unix, "GET", "/admin/pins").json()["pins"]] == [pinned["pin_id"]]
+        [record] = service.store.audit_since(0, action="pin")
+        assert record["detail"]["let_go_holds"] == [hold["pin_id"]]
+    finally:
+        service.shutdown(1)

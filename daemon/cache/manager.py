@@ -103,6 +103,8 @@ class PinResult:
     refreshed: bool  # True when an existing pin of the same prefix was updated
     # refreshed: the pin's owner, note and expires_at (the clock's; None: none) before this call set them
     was: dict | None = None
+    # the ids of the tenant's breakpoint holds let go to make room for it in the tenant's pin budget
+    let_go: tuple[str, ...] = ()
 
 
 ROOTS_MARGIN = 1024  # roots kept beyond twice the pool's blocks before the forgotten ones go
@@ -704,13 +706,15 @@ class KVCacheManager:
     def pin_keys(self, tenant: str, keys: Sequence[BlockKey], *, ttl: float | None = None,
                  owner: str = "", note: str = "", space: str | None = None,
                  adapter_id: str | None = None, leave_room: bool = True,
-                 created_at: float | None = None) -> PinResult:
+                 created_at: float | None = None, holds_give_way: bool = True) -> PinResult:
         """Pin a chain of block keys for `tenant` (its budget pays). `space` and `adapter_id`:
         where the keys were made (Pin), when known; pinning the same keys again refreshes the
         pin's owner, note and TTL, and fills in what it did not know of where they were made.
         `leave_room`: refuse a pin that would leave requests fewer blocks than `pin_room_blocks`
         beside the pins (PinLeavesNoRoom; False: a pin restored as it stood). `created_at`: when
-        it was first made, on this clock (a pin restored: before the restart; None: now)."""
+        it was first made, on this clock (a pin restored: before the restart; None: now).
+        `holds_give_way`: past the tenant's budget, its requests' breakpoint holds are let go, the
+        soonest to lapse first, where that makes room (`let_go`); an operator's pin comes first."""
         if not keys:
             raise InvalidRequest("keys: a pin needs at least one block")
         if ttl is not None and not 0 < ttl < math.inf:
@@ -728,18 +732,39 @@ class KVCacheManager:
             existing.space = existing.space if space is None else space
             existing.adapter_id = existing.adapter_id if adapter_id is None else adapter_id
             return PinResult(existing, cached, len(key_tuple) - cached, refreshed=True, was=was)
-        self.pins.check_budget(tenant, key_tuple)
+        let_go = self._holds_in_the_way(tenant, key_tuple) if holds_give_way else []
+        if not let_go:
+            self.pins.check_budget(tenant, key_tuple)
         # (a prefix longer than the whole cache is the warm's to refuse: it never fits)
         if leave_room and (floor := self.pin_room_blocks) and len(key_tuple) <= self.num_blocks:
             added = self.pool.new_pin_keys(key_tuple)
             pinned_after = self.pool.num_pin_keys + added
             if added and self.num_blocks - pinned_after < floor:
                 raise PinLeavesNoRoom(added, pinned_after, self.num_blocks, floor)
+        for hold in let_go:
+            self.unpin(hold.pin_id)
         pin = Pin(pin_id, tenant, key_tuple, owner, note, now if created_at is None else created_at, expires, space,
                   adapter_id)
         self.pins.add(pin)
         self.pool.add_pin_refs(key_tuple, now)
-        return PinResult(pin, cached, len(key_tuple) - cached, refreshed=False)
+        return PinResult(pin, cached, len(key_tuple) - cached, refreshed=False,
+                         let_go=tuple(hold.pin_id for hold in let_go))
+
+    def _holds_in_the_way(self, tenant: str, keys: tuple[BlockKey, ...]) -> list[Pin]:
+        """The fewest of `tenant`'s breakpoint holds, the soonest to lapse first, whose going would
+        let `keys` into its pin budget: none where they fit already, or where they would not fit
+        even with every hold gone (the budget check then refuses them). Reads only."""
+        budget = self.pins.budget(tenant)
+        mine = [pin for pin in self.pins.all() if pin.tenant == tenant]
+        if len({key for pin in mine for key in pin.keys} | set(keys)) <= budget:
+            return []
+        holds = sorted((pin for pin in mine if pin.breakpoint),
+                       key=lambda pin: (math.inf if pin.expires_at is None else pin.expires_at, pin.pin_id))
+        staying = [pin for pin in mine if not pin.breakpoint]
+        for n in range(1, len(holds) + 1):
+            if len({key for pin in staying + holds[n:] for key in pin.keys} | set(keys)) <= budget:
+                return holds[:n]
+        return []
 
     def hold(self, tenant: str, keys: Sequence[BlockKey], ttl: float, *, space: str | None = None,
              adapter_id: str | None = None) -> str:
@@ -758,7 +783,7 @@ class KVCacheManager:
             if existing.expires_at is not None and until > existing.expires_at:
                 existing.expires_at = until
             return "extended"
-        result = self.pin_keys(tenant, key_tuple, ttl=ttl, owner=BREAKPOINT_OWNER,
+        result = self.pin_keys(tenant, key_tuple, ttl=ttl, owner=BREAKPOINT_OWNER, holds_give_way=False,
                                note="a request's prompt_cache_breakpoint", space=space, adapter_id=adapter_id)
         result.pin.breakpoint = True
         return "held"

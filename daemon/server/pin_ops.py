@@ -154,6 +154,10 @@ def _pinned(service, result, principal: Principal, ttl: float | None, note: str,
     body = {**_pin_times(pin.describe(), now), "cached_blocks": cached, "warmed": warmed,
             "refreshed": result.refreshed}
     detail = {"blocks": pin.num_blocks, "ttl": ttl, "note": note}
+    if result.let_go:  # requests' breakpoint holds gave way to it in the tenant's pin budget
+        body["let_go_holds"] = detail["let_go_holds"] = list(result.let_go)
+        log.info("pin %s of tenant %s: %d of its requests' breakpoint holds let go for room in its pin budget",
+                 pin.pin_id, pin.tenant, len(result.let_go))
     if result.was is not None:  # made again: what it was before this call set its owner, note and expiry
         was = result.was
         body["was"] = detail["was"] = {"owner": was["owner"], "note": was["note"], "expires_in_seconds": (
