@@ -214,6 +214,8 @@ def pinned_again(was: dict, now: dict) -> str:
 
 def pins(ctx: typer.Context,
          tenant: Optional[str] = typer.Option(None, "--tenant", help="Only this tenant's pins."),
+         holds: bool = typer.Option(True, "--holds/--no-holds",
+                                    help="List requests' prompt cache breakpoint holds too, or leave them out."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Every pin: id, tenant, model or LoRA adapter, blocks, how many are cached now, owner, note, expiry.
 
@@ -222,14 +224,20 @@ def pins(ctx: typer.Context,
     blocks, which stay pinned and count against the tenant's budget. Pin the prompt again and
     `kvctl unpin --stranded`.
 
+    A request's prompt cache breakpoint holds its prefix as a pin of its tenant's (owner
+    prompt_cache_breakpoint) until its ttl lapses; `--no-holds` leaves those out.
+
     At kvd router, the fleet's pins, each once, with how many replicas hold it and how many of its
     blocks each has cached (a range where they differ).
 
-    Example: kvctl pins --tenant acme; kvctl pins --json
+    Example: kvctl pins --tenant acme; kvctl pins --no-holds; kvctl pins --json
     """
     data = client_for(ctx).get("/admin/pins", tenant=tenant)
     if tenant is not None:  # (a kvd of before the filter lists every tenant's)
         data["pins"] = [p for p in data["pins"] if p["tenant"] == tenant]
+    left_out = [p for p in data["pins"] if p.get("breakpoint")] if not holds else []
+    if left_out:
+        data["pins"] = [p for p in data["pins"] if not p.get("breakpoint")]
 
     def render(d):
         fleet = "replica_count" in d  # at kvd router: the fleet's pins, each once
@@ -266,6 +274,14 @@ def pins(ctx: typer.Context,
                 "(pinned_out)" + (f"; a new pin that would leave fewer than {room['pin_room_blocks']:,} is refused "
                                   f"(pin_room_tokens: {room['pin_room_tokens']:,})" if room.get("pin_room_blocks")
                                   else ""))
+        listed_holds = [p for p in d["pins"] if p.get("breakpoint")]
+        if listed_holds:
+            Console().print(f"holds of requests' prompt cache breakpoints among them: {len(listed_holds):,} "
+                            f"({sum(p['blocks'] for p in listed_holds):,} blocks), each lapsing by itself; "
+                            "--no-holds leaves them out", highlight=False)
+        if left_out:
+            Console().print(f"holds of requests' prompt cache breakpoints not listed (--no-holds): {len(left_out):,} "
+                            f"({sum(p['blocks'] for p in left_out):,} blocks)", highlight=False)
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     emit(data, as_json, render)

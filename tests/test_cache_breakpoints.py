@@ -301,3 +301,19 @@ def test_kvd_lets_a_hold_go_for_an_operator_s_pin_and_says_so_in_the_answer_and_
         assert record["detail"]["let_go_holds"] == [hold["pin_id"]]
     finally:
         service.shutdown(1)
+
+
+def test_kvctl_pins_counts_the_holds_it_lists_and_leaves_them_out_when_asked():
+    from .test_pinned_out import _pin_row
+    from .test_router import _kvctl_prints
+
+    hold = {**_pin_row("pin-00000000000000b2"), "owner": "prompt_cache_breakpoint", "breakpoint": True,
+            "blocks": 3, "expires_at": 100.0, "expires_in_seconds": 1700.0}
+    listed = {"pins": [_pin_row(), hold]}
+    every = " ".join(_kvctl_prints(["pins"], listed).split())
+    assert "pin-00000000000000b2" in every and every.endswith(
+        "holds of requests' prompt cache breakpoints among them: 1 (3 blocks), each lapsing by itself; --no-holds "
+        "leaves them out")
+    without = " ".join(_kvctl_prints(["pins", "--no-holds"], listed).split())
+    assert "pin-00000000000000b2" not in without and "pin-00000000000000a1" in without
+    assert without.endswith("holds of requests' prompt cache breakpoints not listed (--no-holds): 1 (3 blocks)")

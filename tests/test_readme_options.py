@@ -35,12 +35,12 @@ def unknown_options(root, line: str) -> tuple[list[str], list[str]]:
     """(the command path the line names, the --options it shows that the command and the groups
     above it do not have). Words after the command path are arguments or placeholders."""
     tokens = line.split()[1:]
-    command, path, options = root, [], {"--help", *(o for p in root.params for o in p.opts)}
+    command, path, options = root, [], {"--help", *(o for p in root.params for o in (*p.opts, *p.secondary_opts))}
     for token in tokens:
         if hasattr(command, "commands") and token in command.commands:
             command = command.commands[token]
             path.append(token)
-            options |= {o for p in command.params for o in p.opts}
+            options |= {o for p in command.params for o in (*p.opts, *p.secondary_opts)}  # (--x/--no-x: both)
     shown = {t.split("=")[0] for t in (t.strip("[]()|`,.:\\") for t in tokens)
              if re.fullmatch(r"--[a-z][a-z0-9-]*(=\S*)?", t)}
     return path, sorted(shown - options)
