@@ -887,18 +887,24 @@ class Engine:
         if written:  # (whose requests write to disk: kvctl tenants)
             self.stats.tenants.add_quietly(seq.request.tenant, RETAINED, written)
 
-    def _hold_breakpoints(self, request: Request) -> None:
-        """The prefixes `request` marked with OpenAI's prompt cache breakpoints (params.extra
+    def _hold_breakpoints(self, seq: Sequence) -> None:
+        """The prefixes `seq`'s request marked with OpenAI's prompt cache breakpoints (params.extra
         "breakpoints": (tokens, seconds, ttl) each, daemon/server/cache_breakpoints.py), held for
         their lifetimes as its first sample finishes (KVCacheManager.hold): each outcome counted,
-        and what was newly held noted in its metrics (its usage's cache_write_tokens)."""
+        and what was newly held noted in its metrics (its usage's cache_write_tokens). The keys are
+        those of the blocks the sample holds (hashed again only where a sliding window gave some back)."""
+        request = seq.request
         marks = request.params.extra.get("breakpoints")
         if not marks or request.metrics.cache_written is not None:
             return
         request.metrics.cache_written = []
         namespace = self.request_namespace(request)
         size = self.settings.block_size
-        keys = self._keys_in(namespace, request.prompt_ids[:max(tokens for tokens, _, _ in marks)])[2]
+        longest = max(tokens for tokens, _, _ in marks)
+        pool = self.cache.pool
+        keys = [pool.blocks[b].key if b >= 0 else None for b in self.cache.block_table(seq.seq_id)[:longest // size]]
+        if None in keys:
+            keys = self._keys_in(namespace, request.prompt_ids[:longest])[2]
         for tokens, seconds, ttl in marks:
             blocks = tokens // size
             try:
@@ -1484,7 +1490,7 @@ class Engine:
         if self.tiers is not None and seq.request.params.extra.get("retain") and seq.seq_id in self.cache:
             self._retain(seq)
         if ran:
-            self._hold_breakpoints(seq.request)
+            self._hold_breakpoints(seq)
             held, unused = self.cache.holding(seq.seq_id)
             self.stats.finished_blocks += held
             self.stats.reserved_unused_blocks += unused
