@@ -12,8 +12,8 @@ in memory. The file is made with mode 0600: it holds the conversations' text.
 At start the memory store is filled from it, least recently used first: kvd's stop writes the
 order of use (`used`; one write at the end, not one per read), so a restart keeps it; those kept
 after the last stop (a crash) follow, in the order they were made. Identical messages become one
-object again, so the memory store counts them once. A background response that was still
-running is not in it (it had not ended).
+object again, so the memory store counts them once. A background response still running when kvd
+last stopped is kept `failed` (background_file.py).
 """
 
 from __future__ import annotations
@@ -103,17 +103,20 @@ class ResponseFile:
         """The order of use, the least recently used first (written at kvd's stop)."""
         self.submit(self._save_order, response_ids)
 
-    def submit(self, write, *args) -> None:
+    def submit(self, write, *args, then=None) -> None:
         """Has the thread call `write(*args)`, after every write submitted before, in a
-        transaction of its own (undone whole where it fails)."""
-        self.queue.put((write, args))
+        transaction of its own (undone whole where it fails); then `then()`, where given, on the
+        thread (whether the write landed or not)."""
+        self.queue.put((write, args, then))
 
     def flush(self) -> None:
         """Waits until every add and remove so far has been written."""
         self.queue.join()
 
     def close(self) -> None:
+        """Writes what waits (and what a write's `then` submits), and closes the file."""
         if self.thread.is_alive():
+            self.queue.join()
             self.queue.put(None)
             self.thread.join()
         self.db.close()
@@ -124,7 +127,7 @@ class ResponseFile:
             try:
                 if job is None:
                     return
-                write, args = job
+                write, args, then = job
                 try:
                     self.db.execute("BEGIN IMMEDIATE")
                     write(*args)
@@ -136,6 +139,11 @@ class ResponseFile:
                     self.last_failure = str(exc)
                     log.warning("responses_store_file %s: a write did not land (%s); what it wrote is kept in "
                                 "memory only", self.path, exc)
+                if then is not None:
+                    try:
+                        then()
+                    except Exception:  # (the thread writes on for every other write)
+                        log.exception("responses_store_file %s: what follows a write failed", self.path)
             finally:
                 self.queue.task_done()
 

@@ -29,6 +29,7 @@ class Run:
         self.snapshot = snapshot  # the response as it stands, given its status
         self.final: dict | None = None
         self.task: asyncio.Task | None = None
+        self.cancel_asked = False  # its client (or an operator's purge) cancelled it: not kvd's stop
         self._changed = asyncio.Event()
 
     def now(self) -> dict:
@@ -68,6 +69,7 @@ class Run:
 async def settled(run: Run, cancel: Callable[[str], object]) -> dict:
     """Cancels a background response (`cancel`: the service's, by request id) and waits for it
     to end: the response as it ended (kept, where it is kept)."""
+    run.cancel_asked = True
     cancel(run.request_id)
     await asyncio.wait({run.task})
     return run.final

@@ -6,7 +6,9 @@ least recently used response of the tenant holding the most bytes goes first
 response bigger than the whole budget is not kept.
 Each is its tenant's: another tenant's id reads as unknown, as if it had never been (a 404 that
 says nothing about whose it is). With `responses_store_file` they are written to disk as well
-(response_file.py), and a restart finds them there; without it a restart forgets them all.
+(response_file.py), and a restart finds them there; without it a restart forgets them all. A
+background response is written there as it starts (background_file.py): one kvd stopped without
+ending it is kept `failed` at the next start, not forgotten.
 
 A response is counted at the JSON of itself, and of each message of its conversation and each
 item that made it (`inputs`, which `GET /v1/responses/{id}/input_items` lists) once, however many
@@ -24,14 +26,18 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from kvctl.policies.kept_state import KeptByTenant
 
+from .background_file import BackgroundFile, Untold
 from .gone_book import GoneBook, GoneFile
 from .kept_budget import ResizableBudget
 from .response_file import ResponseFile, ResponseFileError
 
 REPLAY_S = 300.0  # how long an ended background response's events can still be streamed again
+CUT_SHORT = {"code": "server_error", "message": "kvd stopped before it ended, without ending it (a crash, a kill, or a "
+                                                "stop whose last writes did not land); what it wrote is lost"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +84,20 @@ class ResponseStore(ResizableBudget):
         self.clock = time.monotonic
         self.lock = threading.Lock()
         self.file = file
+        # tells a background response's end to its tenant's webhook (webhooks.Webhooks.told): False where
+        # the event could not be written down; None: no webhooks (set by the service, with tell_untold)
+        self.tell: Callable[[str, str, str], bool] | None = None
+        self.untold: list[Untold] = []  # ends whose webhook was not written down before kvd last stopped
+        self.background = BackgroundFile(file) if file is not None else None
         if file is not None:  # (the oldest first: those that no longer fit go, from the file too)
             for tenant, response, conversation, inputs in file.load():
                 self.put(tenant, response, conversation, inputs, written=True)
+            cut, self.untold = self.background.load()
+            for run in cut:  # running when kvd last stopped, and not ended: failed (the newest kept)
+                self.put(run.tenant, {**run.response, "status": "failed", "error": CUT_SHORT}, run.conversation,
+                         run.inputs)
+                self.background.ended(run.response["id"], run.tenant, "response.failed")
+                self.untold.append(Untold(run.tenant, "response.failed", run.response["id"]))
             file.start()
 
     @property
@@ -266,10 +283,13 @@ class ResponseStore(ResizableBudget):
             found = {"ids": [response_id for response_id, _ in chosen]} if ids is not None else {}
             return {"responses": len(chosen), "bytes": freed, "tenants": tenants, **found}
 
-    def begin(self, response_id: str, run) -> None:
-        """A background response starts: `run` (response_runs.Run) answers for it until it ends."""
+    def begin(self, response_id: str, run, conversation: list[dict] = (), inputs: list[dict] = ()) -> None:
+        """A background response starts: `run` (response_runs.Run) answers for it until it ends; in
+        the file, it is written down as it opened, with the conversation and items it is made from."""
         with self.lock:
             self.runs[response_id] = run
+        if self.background is not None:
+            self.background.began(run.tenant, run.now(), list(conversation), list(inputs))
 
     def running(self, tenant: str, response_id: str):
         """The tenant's background response `response_id` while it runs, or None."""
@@ -277,11 +297,12 @@ class ResponseStore(ResizableBudget):
             run = self.runs.get(response_id)
             return run if run is not None and run.tenant == tenant else None
 
-    def ended(self, response_id: str, run=None) -> None:
+    def ended(self, response_id: str, run=None, event_type: str | None = None) -> None:
         """A background response has ended (and been put, where it is kept). The events of `run`
         (one made with stream: true) can be streamed again for REPLAY_S while the response is kept,
         within a quarter of the budget (the oldest go first): a client whose stream dropped near
-        the end gets the rest, and the terminal event."""
+        the end gets the rest, and the terminal event. Its end is told to its tenant's webhook as
+        `event_type` (None: not told), once the file has it (a restart then finds what it says)."""
         size = sum(len(json.dumps(event)) for event in run.events) if run is not None and run.events else 0
         with self.lock:
             self.runs.pop(response_id, None)
@@ -289,6 +310,26 @@ class ResponseStore(ResizableBudget):
                 self.replays[response_id] = (run, self.clock(), size)
                 self.replay_bytes += size
                 self._forget_replays()
+        tenant = run.tenant if run is not None else ""
+        tell = (lambda: self._tell(Untold(tenant, event_type, response_id))) if event_type is not None else None
+        if self.background is not None:
+            self.background.ended(response_id, tenant, event_type, then=tell)
+        elif tell is not None:
+            tell()
+
+    def tell_untold(self, tell: Callable[[str, str, str], bool]) -> int:
+        """From now on tells each background response's end with `tell`; first those not told before
+        kvd last stopped (and those it failed at this start); how many."""
+        self.tell = tell
+        untold, self.untold = self.untold, []
+        for end in untold:
+            self._tell(end)
+        return len(untold)
+
+    def _tell(self, end: Untold) -> None:
+        """Tells `end`; noted as told once its event is written down (or its tenant has no webhook)."""
+        if (self.tell is None or self.tell(end.tenant, end.event_type, end.response_id)) and self.background:
+            self.background.told(end.response_id)
 
     def replayable(self, tenant: str, response_id: str):
         """The tenant's ended background response `response_id` whose events can still be

@@ -358,16 +358,15 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                     run.publish(event)
             finally:
                 await events.aclose()
-                if items.response is None:  # kvd stopped serving it
+                if items.response is None or (items.response["status"] == "cancelled" and not run.cancel_asked
+                                              and not service.accepting):  # kvd stopped serving it (its stop)
                     stopped = {"code": "server_error", "message": "kvd stopped serving it before it ended"}
                     ended_failed(body, who, head, items, stopped, conversation, inputs, turn)
                 run.end(items.response)
-                service.responses.ended(head["id"], run)
-                ended_as = f"response.{items.response['status']}"
-                if ended_as in EVENT_TYPES:  # (its tenant's webhook, where webhooks_file names one)
-                    service.webhooks.send(who.tenant, ended_as, head["id"])
+                ended_as = f"response.{items.response['status']}"  # (told to its tenant's webhook, if any)
+                service.responses.ended(head["id"], run, ended_as if ended_as in EVENT_TYPES else None)
 
-        service.responses.begin(head["id"], run)
+        service.responses.begin(head["id"], run, conversation, inputs)
         run.task = asyncio.get_running_loop().create_task(drive())
         return run
 

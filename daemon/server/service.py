@@ -134,6 +134,9 @@ class _Submission:
 
 
 GRAMMARS_COMPILED_AHEAD = 64  # a shaped request's samples whose grammars its submitter compiles (n is at most 64)
+# at kvd's stop: the most it waits for the background responses it cancelled to end (on the event loop), so
+# that each is written down failed before the responses file closes (one not: failed at the next start)
+STOP_RUNS_WAIT_S = 2.0
 STOP_STORE_WAIT_S = 5.0  # at kvd's stop: the most the periodic jobs, then the rollout's last figures, wait
 
 
@@ -158,6 +161,8 @@ class EngineService:
         # OpenAI's webhooks to each tenant's endpoint when its batch or background response ends
         self.webhook_endpoints = read_endpoints(config.webhooks_file) if config.webhooks_file else {}
         self.webhooks = Webhooks(Path(config.state_dir) / "webhooks", lambda: self.webhook_endpoints)
+        # a background response's end, told once the responses file has it (and those not told at the last stop)
+        self.responses.tell_untold(self.webhooks.told)
         self.batches = BatchRunner(Path(config.state_dir) / "batches", self.files,
                                    lambda: self.config.batch_concurrency, via=lambda: self.config.batch_via,
                                    on_end=lambda batch: self.webhooks.told(batch.tenant, f"batch.{batch.status}",
@@ -712,6 +717,9 @@ class EngineService:
             thread.join(timeout=max(0.0, joined_by - time.monotonic()))
         # a restart starts them again from zero; a locked store holds the stop this long at most
         self.rollouts.record_figures("shutdown", "kvd", wait=STOP_STORE_WAIT_S)
+        runs_by = time.monotonic() + STOP_RUNS_WAIT_S
+        while self.responses.runs and time.monotonic() < runs_by:
+            time.sleep(0.01)
         self.conversations.close()
         self.responses.close()  # (the kept responses' and conversations' last writes land before kvd exits)
         if self.request_spans is not None:
