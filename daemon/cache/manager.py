@@ -767,12 +767,13 @@ class KVCacheManager:
         return []
 
     def hold(self, tenant: str, keys: Sequence[BlockKey], ttl: float, *, space: str | None = None,
-             adapter_id: str | None = None) -> str:
+             adapter_id: str | None = None, created_at: float | None = None) -> str:
         """Keep a request's prompt cache breakpoint (daemon/server/cache_breakpoints.py): the chain
         `keys` pinned for `tenant` for `ttl` seconds from now, as a pin marked `breakpoint`, owned by
         BREAKPOINT_OWNER. "held": a new one; "extended": the tenant's breakpoint pin of these keys
         lives `ttl` from now where that is later than it would; "pinned": an operator's pin holds
-        them already (left as it is). PinBudgetExceeded or PinLeavesNoRoom as `pin_keys`."""
+        them already (left as it is). PinBudgetExceeded or PinLeavesNoRoom as `pin_keys`.
+        `created_at`: when a new one was first made (one held again after a restart), as `pin_keys`."""
         key_tuple = tuple(keys)
         pin_id = pin_id_for(tenant, key_tuple)
         if pin_id in self.pins:
@@ -784,7 +785,8 @@ class KVCacheManager:
                 existing.expires_at = until
             return "extended"
         result = self.pin_keys(tenant, key_tuple, ttl=ttl, owner=BREAKPOINT_OWNER, holds_give_way=False,
-                               note="a request's prompt_cache_breakpoint", space=space, adapter_id=adapter_id)
+                               note="a request's prompt_cache_breakpoint", space=space, adapter_id=adapter_id,
+                               created_at=created_at)
         result.pin.breakpoint = True
         return "held"
 

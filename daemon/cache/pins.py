@@ -34,8 +34,9 @@ class Pin:
     # recorded them)
     space: str | None = None
     adapter_id: str | None = None
-    # held for a request's prompt cache breakpoint (KVCacheManager.hold): not stored, its TTL only
-    # ever extended by the requests that mark it again; an operator's pin of the same keys makes it theirs
+    # held for a request's prompt cache breakpoint (KVCacheManager.hold): not stored (kvd's stop writes
+    # those running for the next start: breakpoint_holds_file.py), its TTL only ever extended by the
+    # requests that mark it again; an operator's pin of the same keys makes it theirs
     breakpoint: bool = False
 
     @property

@@ -44,6 +44,7 @@ from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.queue_order import by_priority
 
 from . import device_loss, lora_ops, pin_ops, reasoning, reload_ops, response_admin, tier_ops, tool_calls, weights_ops
+from .breakpoint_holds_file import restore_holds, save_holds
 from .admin_slots import WriteSlots
 from .batch_files import FileBudgets, FileStore
 from .webhooks import Webhooks, read_endpoints
@@ -351,9 +352,13 @@ class EngineService:
         with self.lock:
             self.loaded, self.engine, self.chat_template = loaded, engine, chat_template
             lapsed = pin_ops.restore_pins(self)
+            held = restore_holds(engine.cache, engine.clock(), cfg.state_dir)  # (after the operator's pins)
             pin_ops.warn_no_room(engine)
             pin_ops.warn_stranded(pin_ops.stranded_pins(self), "pins restored from the store")
         timer.mark("pins")
+        if any(held.values()):
+            log.info("requests' prompt cache breakpoint holds from before the restart: %d held again, %d lapsed "
+                     "meanwhile, %d not (past the pin budget or room)", held["held"], held["lapsed"], held["refused"])
         if not self._reply_ids_read and self._cache_outlives_kvd():
             self._reply_ids_read = True
             restored = load_reply_ids(self.reply_ids, cfg.state_dir, loaded.tokenizer.digest)
@@ -705,6 +710,7 @@ class EngineService:
             self.lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self._save_holds()
         if self.reply_ids.keeps and self._cache_outlives_kvd():
             try:
                 saved = save_reply_ids(self.reply_ids, self.config.state_dir)
@@ -732,6 +738,21 @@ class EngineService:
             return False
         self._exit_stalled(self.engine_loop.stalled() or "the engine stalled", "asked to stop,")
         return True
+
+    def _save_holds(self) -> None:
+        """Writes the requests' prompt cache breakpoint holds for the next start (breakpoint_holds_file.py)."""
+        if self.engine is None:
+            return
+        with self.lock:
+            pins, clock = self.engine.cache.pins.all(), self.engine.clock()
+        try:
+            saved = save_holds(pins, clock, self.config.state_dir)
+        except OSError as exc:
+            log.warning("could not write the requests' prompt cache breakpoint holds (%s): the next start does not "
+                        "hold their prefixes", exc)
+            return
+        if saved:
+            log.info("wrote %d requests' prompt cache breakpoint holds for the next start", saved)
 
     def _cache_outlives_kvd(self) -> bool:
         """Whether a disk or Redis tier keeps the cache through a restart (and so the replies' ids
