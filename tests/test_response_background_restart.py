@@ -7,6 +7,7 @@ a start where its event was not written down; one kvd's own stop cancels ends `f
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 
 import pytest
@@ -51,7 +52,7 @@ def killed(store: ResponseStore) -> None:
     store.file.db.close()
 
 
-def test_one_running_when_kvd_was_killed_is_kept_failed_at_the_next_start_and_told_once(tmp_path):
+def test_one_running_when_kvd_was_killed_is_kept_failed_at_the_next_start_and_told_once(tmp_path, caplog):
     path = tmp_path / "responses.sqlite"
     store = ResponseStore(2**20, ResponseFile(path))
     run = Running("acme", "resp_cut")
@@ -60,7 +61,9 @@ def test_one_running_when_kvd_was_killed_is_kept_failed_at_the_next_start_and_to
     assert background_rows(path) == (["resp_cut"], [])
 
     told = []
-    again = ResponseStore(2**20, ResponseFile(path))
+    with caplog.at_level(logging.WARNING, logger="kvd"):
+        again = ResponseStore(2**20, ResponseFile(path))
+    assert "1 background responses were running when kvd last stopped without ending them" in caplog.text
     kept = again.get("acme", "resp_cut")
     assert kept.response == {**run.response, "status": "failed", "error": CUT_SHORT}
     assert CUT_SHORT["message"].startswith("kvd stopped before it ended, without ending it (a crash, a kill")
@@ -128,29 +131,43 @@ def copy_of(path, to):
     return to
 
 
+def acme_running(tmp_path, state, gated, tokens: int, **settings):
+    """A kvd (state folder `state`, its responses file in it) telling acme's endpoint, whose model
+    writes `tokens` A's, holding at the third until the test opens `gated`'s gate: (service, its
+    TCP app, and `started(acme)`, which makes acme's background response and waits for its first
+    output: its id)."""
+    from .daemon_fixtures import apps, start_service, token_table
+
+    hooks = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
+    service = start_service(state, webhooks_file=str(hooks), responses_store_file=str(state / "responses.sqlite"),
+                            **settings)
+    gated["script"][:] = service.loaded.tokenizer.encode("A", add_special_tokens=False) * tokens
+    gated["hold"] = 2
+
+    async def started(acme) -> str:
+        made = await acme.responses.create(model="kvd-demo-llama-v1", input="Hi", max_output_tokens=tokens,
+                                           background=True)
+        while (await acme.responses.retrieve(made.id)).status != "in_progress":
+            await asyncio.sleep(0.02)
+        return made.id
+
+    return service, apps(service, token_table(tmp_path))[1], started
+
+
 def test_kvd_started_after_a_kill_says_the_response_failed_to_its_client_and_its_webhook(tmp_path, gated):
     from .daemon_fixtures import USER_TOKEN, apps, start_service, token_table
     from .test_responses_api import client_for
 
-    hooks = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
     first = tmp_path / "first"
     first.mkdir()
-    service = start_service(first, webhooks_file=str(hooks), responses_store_file=str(first / "responses.sqlite"))
-    gated["script"][:] = service.loaded.tokenizer.encode("A", add_special_tokens=False) * 200
-    gated["hold"] = 2
+    service, tcp, started = acme_running(tmp_path, first, gated, 200)
     try:
-        _, tcp = apps(service, token_table(tmp_path))
-
         async def go():
-            acme = client_for(tcp, USER_TOKEN)
-            made = await acme.responses.create(model="kvd-demo-llama-v1", input="Hi", max_output_tokens=200,
-                                               background=True)
-            while (await acme.responses.retrieve(made.id)).status != "in_progress":
-                await asyncio.sleep(0.02)
+            made = await started(client_for(tcp, USER_TOKEN))
             service.responses.file.flush()
             copy_of(first / "responses.sqlite", later / "responses.sqlite")  # killed here, mid-reply
             gated["gate"].set()
-            return made.id
+            return made
 
         later = tmp_path / "later"
         later.mkdir()
@@ -159,6 +176,7 @@ def test_kvd_started_after_a_kill_says_the_response_failed_to_its_client_and_its
         gated["gate"].set()
         service.shutdown(1)
 
+    hooks = tmp_path / "webhooks.txt"
     for life in range(2):  # the next start says it failed; the one after keeps it so and tells nothing again
         service = start_service(later, webhooks_file=str(hooks), responses_store_file=str(later / "responses.sqlite"))
         receiver = Receiver()
@@ -185,27 +203,18 @@ def test_kvd_started_after_a_kill_says_the_response_failed_to_its_client_and_its
 
 
 def test_a_background_response_kvd_s_stop_cancels_past_its_deadline_ends_failed_not_cancelled(tmp_path, gated):
-    from .daemon_fixtures import USER_TOKEN, apps, start_service, token_table
+    from .daemon_fixtures import USER_TOKEN
     from .test_responses_api import client_for
 
-    hooks = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
-    service = start_service(tmp_path, webhooks_file=str(hooks), responses_store_file=str(tmp_path / "r.sqlite"),
-                            num_blocks=512)
-    gated["script"][:] = service.loaded.tokenizer.encode("A", add_special_tokens=False) * 4000
-    gated["hold"] = 2
-    _, tcp = apps(service, token_table(tmp_path))
+    service, tcp, started = acme_running(tmp_path, tmp_path, gated, 4000, num_blocks=512)
 
     async def go():
-        acme = client_for(tcp, USER_TOKEN)
-        made = await acme.responses.create(model="kvd-demo-llama-v1", input="Hi", max_output_tokens=4000,
-                                           background=True)
-        while (await acme.responses.retrieve(made.id)).status != "in_progress":
-            await asyncio.sleep(0.02)
-        run = service.responses.running("acme", made.id)
+        made = await started(client_for(tcp, USER_TOKEN))
+        run = service.responses.running("acme", made)
         gated["gate"].set()
         await asyncio.get_running_loop().run_in_executor(None, service.shutdown, 0.2)  # its 4,000 tokens outlast it
         await asyncio.wait({run.task})
-        return made.id, run.final
+        return made, run.final
 
     made, final = asyncio.run(go())
     assert (final["status"], final["error"]) == (

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +35,8 @@ from .background_file import BackgroundFile, Untold
 from .gone_book import GoneBook, GoneFile
 from .kept_budget import ResizableBudget
 from .response_file import ResponseFile, ResponseFileError
+
+log = logging.getLogger("kvd")
 
 REPLAY_S = 300.0  # how long an ended background response's events can still be streamed again
 CUT_SHORT = {"code": "server_error", "message": "kvd stopped before it ended, without ending it (a crash, a kill, or a "
@@ -98,6 +101,9 @@ class ResponseStore(ResizableBudget):
                          run.inputs)
                 self.background.ended(run.response["id"], run.tenant, "response.failed")
                 self.untold.append(Untold(run.tenant, "response.failed", run.response["id"]))
+            if cut:
+                log.warning("%d background responses were running when kvd last stopped without ending them (a "
+                            "crash or a kill): kept failed, and their tenants' webhooks told", len(cut))
             file.start()
 
     @property
