@@ -1234,9 +1234,9 @@ def test_a_submitted_prompt_is_hashed_in_the_submitting_thread_not_in_a_step(tmp
     hashing_threads: list[str] = []
     original = Engine.prefix_keys
 
-    def spy(self, tenant, token_ids, adapter=""):
+    def spy(self, tenant, token_ids, adapter="", params=None):
         hashing_threads.append(threading.current_thread().name)
-        return original(self, tenant, token_ids, adapter)
+        return original(self, tenant, token_ids, adapter, params)
 
     monkeypatch.setattr(Engine, "prefix_keys", spy)
     service = start_service(tmp_path)

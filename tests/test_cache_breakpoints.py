@@ -19,11 +19,15 @@ def part(text: str, **mark) -> dict:
     return {"type": "text", "text": text, "prompt_cache_breakpoint": {**BP, **mark}}
 
 
-def test_marks_are_found_in_prompt_order_with_their_ttl_and_only_the_latest_four_kept():
+def test_marks_are_found_in_prompt_order_with_their_ttl_the_latest_four_kept_in_explicit_mode_three_else():
     messages = [{"role": "system", "content": [part("a"), part("b", ttl="12h")]},
                 {"role": "user", "content": "plain text"},
                 {"role": "user", "content": [{"type": "text", "text": "no mark"}, part("c"), part("d"), part("e")]}]
-    assert marks(messages, None) == [Mark(0, 1, "12h"), Mark(2, 1, "30m"), Mark(2, 2, "30m"), Mark(2, 3, "30m")]
+    assert marks(messages, {"mode": "explicit"}) == [Mark(0, 1, "12h"), Mark(2, 1, "30m"), Mark(2, 2, "30m"),
+                                                     Mark(2, 3, "30m")]
+    # implicit (the default): OpenAI writes one breakpoint of its own and the latest three marked
+    assert marks(messages, None) == marks(messages, {"mode": "implicit"}) == [
+        Mark(2, 1, "30m"), Mark(2, 2, "30m"), Mark(2, 3, "30m")]
     assert marks(messages[:1], {"ttl": "12h", "mode": "explicit"}) == [Mark(0, 0, "12h"), Mark(0, 1, "12h")]
     assert marks([{"role": "user", "content": "Hi"}], None) == []
 

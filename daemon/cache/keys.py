@@ -147,16 +147,25 @@ class PrefixHasher:
 
     Keeps only the last key and the tokens of the partial block; `copy()` gives
     an independent hasher for a forked sequence.
+
+    `private` = (blocks, nonce): from block `blocks` on, every key also hashes `nonce` (bytes a
+    request draws for itself), so no other request's chain reaches those blocks and they reach
+    none cached before: the blocks before are shared as always. A request that asks for its
+    prompt to be cached only up to a point (OpenAI's `prompt_cache_options.mode: "explicit"`)
+    hashes the rest this way; its own samples and its recompute after a preemption still share it.
     """
 
-    __slots__ = ("namespace", "block_size", "_extra", "_parent", "_pending")
+    __slots__ = ("namespace", "block_size", "private", "_extra", "_parent", "_pending", "_blocks")
 
-    def __init__(self, namespace: Namespace, extra_keys: Iterable[str | bytes | int] = ()) -> None:
+    def __init__(self, namespace: Namespace, extra_keys: Iterable[str | bytes | int] = (),
+                 private: tuple[int, bytes] | None = None) -> None:
         self.namespace = namespace  # what its chain is hashed under
         self.block_size = namespace.block_size
+        self.private = private
         self._extra = tuple(extra_keys)
         self._parent = namespace.root_key()
         self._pending: list[int] = []
+        self._blocks = 0  # full blocks hashed so far
 
     def feed(self, token_ids: Sequence[int]) -> list[BlockKey]:
         check_token_ids(token_ids)
@@ -166,8 +175,12 @@ class PrefixHasher:
         size = self.block_size
         start = 0
         while len(pending) - start >= size:
-            self._parent = block_key(self._parent, pending[start:start + size], self._extra)
+            extra = self._extra
+            if self.private is not None and self._blocks >= self.private[0]:
+                extra = (*extra, self.private[1])
+            self._parent = block_key(self._parent, pending[start:start + size], extra)
             keys.append(self._parent)
+            self._blocks += 1
             start += size
         del pending[:start]
         return keys
@@ -176,7 +189,9 @@ class PrefixHasher:
         twin = PrefixHasher.__new__(PrefixHasher)
         twin.namespace = self.namespace
         twin.block_size = self.block_size
+        twin.private = self.private
         twin._extra = self._extra
         twin._parent = self._parent
         twin._pending = list(self._pending)
+        twin._blocks = self._blocks
         return twin

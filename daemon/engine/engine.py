@@ -444,14 +444,16 @@ class Engine:
         # that never comes (and every request behind it with it), however little it reserved
         # (under a sliding window, its longest is its window's blocks)
         longest = self.cache.peak_blocks(len(prompt_ids) + params.max_tokens)
-        if prefix_keys is not None and not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):
-            prefix_keys = None  # hashed from other tokens: hashed again where needed
+        if prefix_keys is not None and (not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids)
+                                        or prefix_keys[3].private != params.extra.get("cache_private")):
+            prefix_keys = None  # hashed from other tokens (or not as its own): hashed again where needed
         pinned, room = 0, total
         # pinned blocks are never evicted: they count against it, but for those of its own prefix
         # (counted only when pins could stand in its way: the keys they hold bound their blocks)
         if longest > total - self.cache.pool.num_pin_keys:
             if prefix_keys is None:
-                prefix_keys = self._keys_in(self.request_namespace(request), list(prompt_ids))
+                prefix_keys = self._keys_in(self.request_namespace(request), list(prompt_ids),
+                                            params.extra.get("cache_private"))
             pinned, room = self.cache.room_beside_pins(prefix_keys[2], reuse=not request.scoring)
         kind = None
         if needed > total:
@@ -499,15 +501,18 @@ class Engine:
         """The most requests `tenant` may have in flight: its own limit, else max_tenant_requests."""
         return dict(self.settings.tenant_request_limits).get(tenant, self.settings.max_tenant_requests)
 
-    def prefix_keys(self, tenant: str, token_ids: list[int], adapter: str = "") -> tuple:
+    def prefix_keys(self, tenant: str, token_ids: list[int], adapter: str = "",
+                    params: SamplingParams | None = None) -> tuple:
         """(namespace, token count, block keys, hasher after them, the ids) for these tokens: safe
         to call without the engine's lock (it reads configuration only; a namespace that changes
-        before admission is noticed there)."""
-        return self._keys_in(self.namespace(tenant, adapter), token_ids)
+        before admission is noticed there). `params`: the request's, where it hashes part of its
+        prompt as its own (params.extra "cache_private": PrefixHasher's `private`)."""
+        private = params.extra.get("cache_private") if params is not None else None
+        return self._keys_in(self.namespace(tenant, adapter), token_ids, private)
 
     @staticmethod
-    def _keys_in(namespace: Namespace, token_ids: list[int]) -> tuple:
-        hasher = PrefixHasher(namespace)
+    def _keys_in(namespace: Namespace, token_ids: list[int], private: tuple[int, bytes] | None = None) -> tuple:
+        hasher = PrefixHasher(namespace, private=private)
         return namespace, len(token_ids), hasher.feed(token_ids), hasher, token_ids
 
     def _prefix_keys(self, seq: Sequence) -> tuple[list, PrefixHasher]:
@@ -519,7 +524,7 @@ class Engine:
         request = seq.request
         namespace = self.request_namespace(request)
         if memo is None or memo[0] != namespace or memo[1] != len(tokens):
-            memo = seq.prefix_keys = self._keys_in(namespace, tokens)
+            memo = seq.prefix_keys = self._keys_in(namespace, tokens, request.params.extra.get("cache_private"))
         return memo[2], memo[3].copy()
 
     def fetching_prefix(self, request: Request) -> bool:

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import secrets
 import time
 import uuid
 from functools import partial
@@ -326,7 +327,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                code="context_length_exceeded")
         shape = chat_shape(body, tool_mode)
         params = sampling(body, limit, api, logprobs, body.prompt_logprobs, constraint, who.tenant)
-        if marked and service.config.prompt_cache_breakpoints == "honour":
+        honoured = service.config.prompt_cache_breakpoints == "honour"
+        if marked and honoured:
             def ending_inside(upto: list[dict]) -> list[int]:  # (a template that cannot: that mark is not placed)
                 try:
                     return service.chat_prompt(chat_messages(upto), False, True, kwargs, tools, tenant=splicing)
@@ -335,6 +337,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
             params.extra["breakpoints"] = await run_in_threadpool(cache_breakpoints.prefix_lengths, body.messages,
                                                                   marked, ending_inside, ids)
+        # cached up to its marks alone (not across a KV transfer: the decode kvd must find the prefill's blocks)
+        if honoured and cache_breakpoints.explicit(body.prompt_cache_options) and not kv_transfer.wanted(body):
+            params.extra["cache_private"] = (cache_breakpoints.private_from(
+                params.extra.get("breakpoints", []), engine.settings.block_size), secrets.token_bytes(16))
         if predicted:  # its tokens, as the model would write them (no special token a prompt starts with)
             prediction = await run_in_threadpool(engine.tokenizer.encode, predicted, False)
             params = dataclasses.replace(params, prediction=tuple(prediction))

@@ -1,7 +1,14 @@
 """OpenAI's prompt cache breakpoints: a request marks where reusable prefixes of its prompt end
 (`prompt_cache_breakpoint: {"mode": "explicit", "ttl": "30m" | "12h"}` on a text part of a
-message's content; at most MOST_BREAKPOINTS, the latest kept, as OpenAI writes), each with a
-minimum lifetime (its own `ttl`, else the request's `prompt_cache_options.ttl`, else 30m).
+message's content; the latest MOST_BREAKPOINTS kept, one fewer where `prompt_cache_options.mode`
+is implicit, as OpenAI writes them), each with a minimum lifetime (its own `ttl`, else the
+request's `prompt_cache_options.ttl`, else 30m).
+
+`prompt_cache_options.mode`: "implicit" (the default) is kvd's prefix cache as always, which
+caches every prompt's full blocks; "explicit" caches the prompt only up to its longest marked
+prefix, none of it where it marks none (OpenAI: such a request does not use prompt caching):
+`private_from` is where the request's own hashing starts (PrefixHasher's `private`), so nothing
+past it is read from the cache or left there for another request.
 
 kvd keeps each marked prefix's full blocks for that long after the request that marks it ends:
 a pin of the request's tenant, marked as a breakpoint's (daemon/cache/manager.py `hold`), paid
@@ -23,8 +30,8 @@ from .chat_messages import MessagesError
 
 TTLS = {"30m": 1800.0, "12h": 43200.0}  # OpenAI's lifetimes, in seconds
 DEFAULT_TTL = "30m"
-MOST_BREAKPOINTS = 4  # per request: the latest are kept
-MODES = ("implicit", "explicit")  # prompt_cache_options.mode: kvd's prefix cache serves every request either way
+MOST_BREAKPOINTS = 4  # per request in explicit mode: the latest are kept (implicit: one fewer, as OpenAI)
+MODES = ("implicit", "explicit")  # prompt_cache_options.mode
 
 
 @dataclass(frozen=True)
@@ -60,9 +67,20 @@ def _ttl(value: Any, where: str) -> str:
     return value
 
 
+def explicit(options: Any) -> bool:
+    """Whether `prompt_cache_options` (checked by `request_ttl`) asks for explicit mode."""
+    return isinstance(options, dict) and options.get("mode") == "explicit"
+
+
+def private_from(lengths: list[tuple[int, float, str]], block_size: int) -> int:
+    """In explicit mode, the first block of the prompt hashed as the request's own: the one after
+    the longest marked prefix's full blocks (`prefix_lengths`), 0 where none is placed."""
+    return max((tokens for tokens, _, _ in lengths), default=0) // block_size
+
+
 def marks(messages: Any, options: Any) -> list[Mark]:
     """The breakpoints `messages` (a chat request's, as sent) mark, in prompt order, the latest
-    MOST_BREAKPOINTS; MessagesError naming a malformed one."""
+    MOST_BREAKPOINTS (implicit mode: one fewer); MessagesError naming a malformed one."""
     default = request_ttl(options)
     found = []
     for i, message in enumerate(messages if isinstance(messages, list) else []):
@@ -79,7 +97,7 @@ def marks(messages: Any, options: Any) -> list[Mark]:
             if unknown:
                 raise MessagesError(f"{where}.{unknown[0]}: kvd knows mode and ttl only", f"{where}.{unknown[0]}")
             found.append(Mark(i, j, _ttl(mark.get("ttl", default), f"{where}.ttl")))
-    return found[-MOST_BREAKPOINTS:]
+    return found[-(MOST_BREAKPOINTS if explicit(options) else MOST_BREAKPOINTS - 1):]
 
 
 def prefix_lengths(messages: list[dict], found: list[Mark], render: Callable[[list[dict]], list[int]],

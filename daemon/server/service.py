@@ -891,7 +891,7 @@ class EngineService:
         except RequestError as exc:
             return _refused(exc)
         if hashed is None or len(hashed) != len(prompts):
-            hashed = self.hash_prompts(prompts, principal.tenant, adapter)
+            hashed = self.hash_prompts(prompts, principal.tenant, adapter, params, checked=True)
         submission = _Submission(prompts, params, principal, sink, hashed, Future(), priority, grammars, adapter)
         self._inbox.append(submission)
         self._wake_engine()
@@ -970,20 +970,21 @@ class EngineService:
                 refused += 1
 
     def hash_prompts(self, prompts: list[list[int]], tenant: str, adapter: str = "",
-                     params: SamplingParams | None = None) -> list[tuple | None]:
+                     params: SamplingParams | None = None, checked: bool = False) -> list[tuple | None]:
         """Each prompt's block keys (Engine.prefix_keys), computed in the calling thread, not in a
         step; None for ids the hasher refuses (add_request then names the bad field). Once per
         prompt: a KV transfer's fetch or publish and its submission take the same ones. With
-        `params`, each prompt is checked first (Engine.check_prompt's RequestError): an oversized
-        one is refused before anything walks it."""
+        `params`, hashed as the request hashes them, and each prompt is checked first
+        (Engine.check_prompt's RequestError, unless `checked`): an oversized one is refused before
+        anything walks it."""
         engine = self.require_ready()
-        if params is not None:
+        if params is not None and not checked:
             for prompt_ids in prompts:
                 engine.check_prompt(prompt_ids, params)
         hashed = []
         for prompt_ids in prompts:
             try:
-                hashed.append(engine.prefix_keys(tenant, prompt_ids, adapter))
+                hashed.append(engine.prefix_keys(tenant, prompt_ids, adapter, params))
             except (TypeError, ValueError):
                 hashed.append(None)
         return hashed

@@ -1,0 +1,144 @@
+"""OpenAI's `prompt_cache_options.mode: "explicit"`: a request's prompt is cached only up to its
+longest marked prefix, none of it where it marks none. The blocks past that point are hashed as
+the request's own (PrefixHasher's `private`): nothing there is read from the cache or left there
+for another request, while its own samples still share them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvctl.daemon.cache import Namespace, PrefixHasher, chain_keys
+
+PROMPT = list(range(100, 140))  # ten blocks of 4
+ACME = Namespace(block_size=4, tenant="acme")
+
+
+def test_keys_past_the_private_point_are_the_request_s_own_and_those_before_are_everyone_s():
+    plain = chain_keys(ACME, PROMPT)
+    mine = PrefixHasher(ACME, private=(3, b"nonce-a")).feed(PROMPT)
+    assert mine[:3] == plain[:3] and all(a != b for a, b in zip(mine[3:], plain[3:]))
+    theirs = PrefixHasher(ACME, private=(3, b"nonce-b")).feed(PROMPT)
+    assert theirs[:3] == plain[:3] and not set(theirs[3:]) & set(mine[3:])
+    assert PrefixHasher(ACME, private=(3, b"nonce-a")).feed(PROMPT) == mine  # its own recompute finds them
+    none_shared = PrefixHasher(ACME, private=(0, b"nonce-a")).feed(PROMPT)
+    assert not set(none_shared) & set(plain)
+    fed = PrefixHasher(ACME, private=(3, b"nonce-a"))
+    pieces = fed.feed(PROMPT[:10])
+    twin = fed.copy()  # (a forked sample continues as its parent would)
+    assert pieces + fed.feed(PROMPT[10:]) == mine and twin.feed(PROMPT[10:]) == mine[2:]
+    assert (twin.private, PrefixHasher(ACME).private) == ((3, b"nonce-a"), None)
+
+
+QUESTION = "Which replica holds the most pinned blocks, and why does it matter for the fleet? " * 3
+
+
+def ask(system: str, mode: str | None, marked: bool = True, **extra) -> dict:
+    system_part = {"type": "text", "text": system}
+    if marked:
+        system_part["prompt_cache_breakpoint"] = {"mode": "explicit"}
+    body = {"max_tokens": 2, "temperature": 0, "ignore_eos": True, "messages": [
+        {"role": "system", "content": [system_part]}, {"role": "user", "content": QUESTION}], **extra}
+    if mode is not None:
+        body["prompt_cache_options"] = {"mode": mode}
+    return body
+
+
+def cached(unix, body) -> int:
+    from .daemon_fixtures import call
+
+    answer = call(unix, "POST", "/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture
+def kvd(tmp_path):
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=256)
+    try:
+        yield service, apps(service, token_table(tmp_path))[0]
+    finally:
+        service.shutdown(1)
+
+
+def test_explicit_mode_with_no_mark_reads_nothing_from_the_cache_and_leaves_nothing_there(kvd):
+    from .daemon_fixtures import blocks_all_back
+    from .test_cache_breakpoints import SYSTEM
+
+    service, unix = kvd
+    unmarked = ask(SYSTEM, "explicit", marked=False)
+    assert [cached(unix, unmarked), cached(unix, unmarked)] == [0, 0]
+    assert cached(unix, ask(SYSTEM, None, marked=False)) == 0  # what it computed is no one else's either
+    assert cached(unix, ask(SYSTEM, None, marked=False)) > 0  # (as kvd caches any other request's)
+    assert service.engine.stats.breakpoints == {}  # nothing marked, nothing held
+    assert blocks_all_back(service)
+
+
+def test_the_engine_indexes_a_private_tail_under_the_request_s_own_keys_and_its_samples_share_it(tmp_path):
+    pytest.importorskip("torch")
+    import dataclasses
+
+    from kvctl.daemon.engine.engine import Engine, EngineSettings
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.llama import load_model
+
+    demo = load_model(ensure_demo_checkpoint(tmp_path))
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    ids = demo.tokenizer.encode("Operators pin hot prefixes such as system prompts, and evict the rest. " * 6)
+    assert len(ids) >= 5 * 16
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    private = (2, b"request-own-nonce")
+    request = engine.add_request(ids, dataclasses.replace(greedy, n=2, extra={"cache_private": private}))
+    shared = 0
+    for _ in range(1_000):
+        if not engine.has_work():
+            break
+        engine.step()
+        if len(request.sequences) == 2 and engine.cache.num_sequences == 2:  # both samples hold the prompt
+            shared = max(shared, engine.cache.state_counts()["shared"])
+    engine.cache.audit()
+    namespace = engine.namespace("default")
+    own = PrefixHasher(namespace, private=private).feed(ids)
+    plain = chain_keys(namespace, ids)
+    usable = engine.cache.cacheable_blocks(len(ids))
+    assert engine.cache.lookup(own, len(ids)) == usable  # its recompute would find all of it
+    assert engine.cache.lookup(plain, len(ids)) == 2  # another request: the two blocks before, no more
+    assert shared >= usable  # its two samples shared the prompt's blocks, the private ones too
+    assert [len(s.output_ids) for s in request.sequences] == [8, 8]
+    alone = engine.add_request(ids, greedy)  # (the same output as a request hashed as everyone's)
+    while engine.has_work():
+        engine.step()
+    assert request.sequences[0].output_ids == alone.sequences[0].output_ids
+
+
+def test_explicit_mode_caches_the_prompt_up_to_its_longest_mark_and_no_further(kvd):
+    from .test_cache_breakpoints import SYSTEM, held_tokens
+
+    service, unix = kvd
+    marked = held_tokens(service, SYSTEM)
+    explicit = ask(SYSTEM, "explicit")
+    assert cached(unix, explicit) == 0
+    assert cached(unix, explicit) == marked  # the marked prefix, held; not the question after it
+    assert service.engine.stats.breakpoints == {"held": 1, "extended": 1}
+    other = "You are the careful assistant of the platform team; answer in a sentence. " * 4
+    implicit = ask(other, "implicit")
+    cached(unix, implicit)
+    again = cached(unix, implicit)
+    assert again > held_tokens(service, other) + 2 * service.config.block_size  # the question too
+
+
+def test_ignore_serves_explicit_mode_as_kvd_caches_any_request(tmp_path):
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, start_service, token_table
+    from .test_cache_breakpoints import SYSTEM
+
+    service = start_service(tmp_path, num_blocks=256, prompt_cache_breakpoints="ignore")
+    try:
+        unix = apps(service, token_table(tmp_path))[0]
+        unmarked = ask(SYSTEM, "explicit", marked=False)
+        assert cached(unix, unmarked) == 0 and cached(unix, unmarked) > 0
+    finally:
+        service.shutdown(1)
