@@ -6,6 +6,8 @@ from typing import Any
 
 from kvctl.daemon.model.tokenizer import first_outside_vocab
 
+from .calls import ServiceError
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
@@ -17,6 +19,15 @@ class ApiError(Exception):
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def model_served(service, model: str | None) -> None:
+    """Returns where `model` is the one kvd serves or one of its LoRA adapters (None: the model);
+    else an ApiError 404 naming it and those served."""
+    try:
+        service.adapter_named(model)
+    except ServiceError as exc:
+        raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
 
 def checked_ids(ids: list[int], field: str, engine) -> list[int]:

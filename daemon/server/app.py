@@ -42,7 +42,7 @@ from kvctl.daemon.store import StoreUnavailable
 from . import cache_breakpoints, device_loss, invalid_request, kv_transfer, service_tiers
 from .admin_routes import admin_routes
 from .admin_slots import AdminWriteSlots
-from .api_errors import ApiError, checked_ids, error_body, refuse_unsupported
+from .api_errors import ApiError, checked_ids, error_body, model_served, refuse_unsupported
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .calls import Principal, ServiceError
@@ -373,10 +373,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     def served(model: str | None, engine):
         """`engine`, when `model` is the one served or one of its LoRA adapters (None: the model);
         else a 404 naming it."""
-        try:
-            service.adapter_named(model)
-        except ServiceError as exc:
-            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        model_served(service, model)
         return engine
 
     # ---- vLLM's server extras: its probe, version, and token counting --------------------------

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
-from .api_errors import ApiError, refuse_unsupported
+from .api_errors import ApiError, model_served, refuse_unsupported
 from .calls import Principal, ServiceError
 from .chat import ChatCompletionRequest
 from .chat_messages import MessagesError, chat_messages, checked_tools
@@ -231,10 +231,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         response it continues, cut as truncation auto would cut it). Nothing is served or kept."""
         refuse_unsupported(body, UNSUPPORTED_RESPONSE_FIELDS, RESPONSE_HINTS)
         service.require_ready()
-        try:
-            service.adapter_named(body.model)
-        except ServiceError as exc:
-            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        model_served(service, body.model)
         asked = (await prepared(body, who)).asked
 
         def counted() -> int:
