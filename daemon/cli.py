@@ -233,6 +233,10 @@ def serve(
     prompt_cache_breakpoints: Optional[str] = typer.Option(
         None, help="honour (the prefixes a request marks with OpenAI's prompt_cache_breakpoint are pinned for "
                    "their ttl, 30m or 12h, from the tenant's pin budget) or ignore. Live on a reload."),
+    prompt_cache_explicit_tenants: Optional[str] = typer.Option(
+        None, help="Tenants (a,b; *: every tenant) whose requests are served in OpenAI's explicit prompt cache mode "
+                   "whatever they ask: their prompts are cached only up to the prefixes they mark, none where they "
+                   "mark none (zero data retention). Live on a reload."),
     trace_requests: Optional[int] = typer.Option(
         None, help="Finished requests kept as trace lines for `kvctl trace save` (default 10000; 0: none)."),
     hit_curve: Optional[bool] = typer.Option(
@@ -322,6 +326,7 @@ def serve(
                    max_tenant_metric_series=max_tenant_metric_series, max_tracked_tenants=max_tracked_tenants,
                    pin_budget_blocks=pin_budget_blocks, pin_room_tokens=pin_room_tokens,
                    prompt_cache_breakpoints=prompt_cache_breakpoints,
+                   prompt_cache_explicit_tenants=prompt_cache_explicit_tenants,
                    trace_requests=trace_requests, trace_key_file=trace_key_file, hit_curve=hit_curve,
                    hit_curve_tenants=hit_curve_tenants,
                    trace_block_tokens=trace_block_tokens,
@@ -361,7 +366,7 @@ SERVE_HELP_PANELS = {
                            "quick_prefill_tokens",
                            "max_running", "speculative_config", "predicted_outputs", "reservation", "eviction",
                            "pin_budget_blocks",
-                           "pin_room_tokens", "prompt_cache_breakpoints"),
+                           "pin_room_tokens", "prompt_cache_breakpoints", "prompt_cache_explicit_tenants"),
     "Admission and tenants": ("max_queue", "max_queue_wait", "max_tenant_requests", "tenant_request_limits",
                               "tenant_queue_waits", "queue_order", "tenant_priorities", "tenant_cache_shares",
                               "report_cached_tokens"),

@@ -213,6 +213,9 @@ class KvdConfig:
     # honour: the prefixes a request marks with OpenAI's prompt_cache_breakpoint are held for their ttl
     # (server/cache_breakpoints.py; the tenant's pin budget pays); ignore: served as if it marked none
     prompt_cache_breakpoints: str = "honour"
+    # tenants whose requests are served in OpenAI's explicit prompt cache mode whatever they ask ("*": every
+    # tenant): their prompts are cached only up to the prefixes they mark, none where they mark none
+    prompt_cache_explicit_tenants: tuple[str, ...] = ()
     # honour: a chat's `prediction` (OpenAI's Predicted Outputs) is drafted ahead of its reply
     # (engine/speculative.py); ignore: it is served as a chat without one
     predicted_outputs: str = "honour"
@@ -437,7 +440,7 @@ _PARSERS = {
     "pin_budget_blocks": whole_number, "pin_room_tokens": whole_number, "shutdown_timeout": finite_number,
     "engine_stall_exit_seconds": finite_number,
     "gc_freeze": on_or_off, "gc_warn_seconds": finite_number, "hit_curve": on_or_off,
-    "hit_curve_tenants": name_list,
+    "hit_curve_tenants": name_list, "prompt_cache_explicit_tenants": name_list,
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
     "log_requests": on_or_off, "log_stats_interval": finite_number,
 
@@ -519,6 +522,10 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"must be {', '.join(CACHED_TOKEN_REPORTS[:-1])} or {CACHED_TOKEN_REPORTS[-1]}")
     if name == "reservation":
         parse_reservation(value)
+    if name == "prompt_cache_explicit_tenants":
+        bad = [n for n in value if n != "*" and not TENANT_NAME.fullmatch(n)]
+        if bad:
+            raise ValueError(f"tenant {bad[0]!r} is not a tenant name (letters, digits, . _ -) or *")
     if name == "hit_curve_tenants":
         bad = [n for n in value if not TENANT_NAME.fullmatch(n)]
         if bad:

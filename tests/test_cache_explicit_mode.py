@@ -142,3 +142,51 @@ def test_ignore_serves_explicit_mode_as_kvd_caches_any_request(tmp_path):
         assert cached(unix, unmarked) == 0 and cached(unix, unmarked) > 0
     finally:
         service.shutdown(1)
+
+
+# ---- the operator's: a tenant served in explicit mode whatever it asks ---------------------------
+def test_prompt_cache_explicit_tenants_is_checked_where_it_is_given():
+    from kvctl.daemon.config import ConfigError, resolve
+
+    assert resolve({"prompt_cache_explicit_tenants": "acme, globex"}, env={}).prompt_cache_explicit_tenants == (
+        "acme", "globex")
+    assert resolve({}, env={"KVD_PROMPT_CACHE_EXPLICIT_TENANTS": "*"}).prompt_cache_explicit_tenants == ("*",)
+    with pytest.raises(ConfigError, match=r"prompt_cache_explicit_tenants: invalid value .*tenant 'a b' is not a "
+                                          r"tenant name \(letters, digits, \. _ -\) or \*"):
+        resolve({"prompt_cache_explicit_tenants": "acme,a b"}, env={})
+
+
+def test_a_tenant_the_operator_serves_in_explicit_mode_leaves_nothing_cached_and_others_are_served_as_always(
+        tmp_path):
+    pytest.importorskip("torch")
+    from kvctl.daemon.config import resolve
+
+    from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, apps, call, start_service, token_table
+    from .test_cache_breakpoints import SYSTEM, held_tokens
+
+    service = start_service(tmp_path, num_blocks=256, prompt_cache_explicit_tenants="acme")
+    try:
+        _, tcp = apps(service, token_table(tmp_path))
+
+        def cached_for(token: str, body: dict, path: str = "/v1/chat/completions") -> int:
+            answer = call(tcp, "POST", path, json=body, headers={"Authorization": f"Bearer {token}"})
+            assert answer.status_code == 200, answer.text
+            return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        unmarked = ask(SYSTEM, None, marked=False)
+        assert [cached_for(USER_TOKEN, unmarked), cached_for(USER_TOKEN, unmarked)] == [0, 0]  # acme: as it asked none
+        prompt = {"prompt": SYSTEM + QUESTION, "max_tokens": 2, "ignore_eos": True}
+        assert [cached_for(USER_TOKEN, prompt, "/v1/completions"),
+                cached_for(USER_TOKEN, prompt, "/v1/completions")] == [0, 0]  # a completion too
+        marked = ask(SYSTEM, "implicit")  # what acme marks is cached, whatever mode it names
+        assert [cached_for(USER_TOKEN, marked), cached_for(USER_TOKEN, marked)] == [0, held_tokens(service, SYSTEM)]
+        assert cached_for(ADMIN_TOKEN, unmarked) == 0 and cached_for(ADMIN_TOKEN, unmarked) > held_tokens(
+            service, SYSTEM)  # tenant ops: as always
+        service.config_source = lambda: resolve({"state_dir": str(tmp_path), "socket": str(tmp_path / "kvd.sock"),
+                                                 "num_blocks": 256}, env={})
+        changed = service.reload_from_source("test")  # live: acme is served as it asks from now on
+        assert "prompt_cache_explicit_tenants" in str(changed)
+        held = held_tokens(service, SYSTEM)  # (acme's marked prefix, held from before)
+        assert cached_for(USER_TOKEN, unmarked) == held and cached_for(USER_TOKEN, unmarked) > held
+    finally:
+        service.shutdown(1)

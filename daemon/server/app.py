@@ -327,8 +327,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                code="context_length_exceeded")
         shape = chat_shape(body, tool_mode)
         params = sampling(body, limit, api, logprobs, body.prompt_logprobs, constraint, who.tenant)
-        honoured = service.config.prompt_cache_breakpoints == "honour"
-        if marked and honoured:
+        if marked and service.config.prompt_cache_breakpoints == "honour":
             def ending_inside(upto: list[dict]) -> list[int]:  # (a template that cannot: that mark is not placed)
                 try:
                     return service.chat_prompt(chat_messages(upto), False, True, kwargs, tools, tenant=splicing)
@@ -337,10 +336,6 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
             params.extra["breakpoints"] = await run_in_threadpool(cache_breakpoints.prefix_lengths, body.messages,
                                                                   marked, ending_inside, ids)
-        # cached up to its marks alone (not across a KV transfer: the decode kvd must find the prefill's blocks)
-        if honoured and cache_breakpoints.explicit(body.prompt_cache_options) and not kv_transfer.wanted(body):
-            params.extra["cache_private"] = (cache_breakpoints.private_from(
-                params.extra.get("breakpoints", []), engine.settings.block_size), secrets.token_bytes(16))
         if predicted:  # its tokens, as the model would write them (no special token a prompt starts with)
             prediction = await run_in_threadpool(engine.tokenizer.encode, predicted, False)
             params = dataclasses.replace(params, prediction=tuple(prediction))
@@ -474,6 +469,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 params.extra["router"] = RouterAttempt.parse(routed)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param=ROUTER_ATTEMPT_HEADER) from None
+        config = service.config
+        # explicit prompt cache mode: cached up to its marks alone (not across a KV transfer: the decode kvd
+        # must find the blocks the prefill wrote)
+        if cache_breakpoints.served_explicit(getattr(body, "prompt_cache_options", None), who.tenant,
+                                             config.prompt_cache_breakpoints == "honour",
+                                             config.prompt_cache_explicit_tenants) and not kv_transfer.wanted(body):
+            params.extra["cache_private"] = (cache_breakpoints.private_from(
+                params.extra.get("breakpoints", []), engine.settings.block_size), secrets.token_bytes(16))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         sink = LoopSink(loop, events)

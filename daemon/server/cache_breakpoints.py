@@ -72,6 +72,13 @@ def explicit(options: Any) -> bool:
     return isinstance(options, dict) and options.get("mode") == "explicit"
 
 
+def served_explicit(options: Any, tenant: str, honoured: bool, tenants: tuple[str, ...]) -> bool:
+    """Whether a request of `tenant` is served in explicit mode: it asks for it (where the operator
+    honours breakpoints: `honoured`), or the operator serves its tenant so whatever it asks
+    (`tenants`, prompt_cache_explicit_tenants; "*": every tenant)."""
+    return (honoured and explicit(options)) or tenant in tenants or "*" in tenants
+
+
 def private_from(lengths: list[tuple[int, float, str]], block_size: int) -> int:
     """In explicit mode, the first block of the prompt hashed as the request's own: the one after
     the longest marked prefix's full blocks (`prefix_lengths`), 0 where none is placed."""

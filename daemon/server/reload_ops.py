@@ -36,7 +36,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
                  "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
                  "prompt_cache_retention", "tenant_prompt_cache_retention", "predicted_outputs", "log_requests",
-                 "prompt_cache_breakpoints",
+                 "prompt_cache_breakpoints", "prompt_cache_explicit_tenants",
                  "batch_concurrency", "batch_via", "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
                  "log_stats_interval",
                  "lora_modules", "lora_runtime_updates", "max_loras", "speculative_config", "responses_max_age",
