@@ -74,9 +74,15 @@ def test_explicit_mode_with_no_mark_reads_nothing_from_the_cache_and_leaves_noth
     assert cached(unix, ask(SYSTEM, None, marked=False)) > 0  # (as kvd caches any other request's)
     assert service.engine.stats.breakpoints == {}  # nothing marked, nothing held
     assert blocks_all_back(service)
+    from .daemon_fixtures import call
+
+    evicted = service.status()["evictions"]["private"]  # its blocks went as each of the two ended
+    assert evicted > 0 and f'kvd_evicted_blocks_total{{reason="private"}} {evicted}.0' in call(
+        unix, "GET", "/metrics").text.splitlines()
 
 
-def test_the_engine_indexes_a_private_tail_under_the_request_s_own_keys_and_its_samples_share_it(tmp_path):
+def test_the_engine_indexes_a_private_tail_under_the_request_s_own_keys_shares_it_and_drops_it_at_the_end(
+        tmp_path):
     pytest.importorskip("torch")
     import dataclasses
 
@@ -91,23 +97,28 @@ def test_the_engine_indexes_a_private_tail_under_the_request_s_own_keys_and_its_
     assert len(ids) >= 5 * 16
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     private = (2, b"request-own-nonce")
+    namespace = engine.namespace("default")
+    own = PrefixHasher(namespace, private=private).feed(ids)
+    plain = chain_keys(namespace, ids)
+    usable = engine.cache.cacheable_blocks(len(ids))
     request = engine.add_request(ids, dataclasses.replace(greedy, n=2, extra={"cache_private": private}))
-    shared = 0
+    shared, found = 0, []
     for _ in range(1_000):
         if not engine.has_work():
             break
         engine.step()
         if len(request.sequences) == 2 and engine.cache.num_sequences == 2:  # both samples hold the prompt
             shared = max(shared, engine.cache.state_counts()["shared"])
+            found.append((engine.cache.lookup(own, len(ids)), engine.cache.lookup(plain, len(ids))))
     engine.cache.audit()
-    namespace = engine.namespace("default")
-    own = PrefixHasher(namespace, private=private).feed(ids)
-    plain = chain_keys(namespace, ids)
-    usable = engine.cache.cacheable_blocks(len(ids))
-    assert engine.cache.lookup(own, len(ids)) == usable  # its recompute would find all of it
-    assert engine.cache.lookup(plain, len(ids)) == 2  # another request: the two blocks before, no more
+    # while it ran: its recompute would have found all of it; another request, the two blocks before
+    assert found and set(found) == {(usable, 2)}
     assert shared >= usable  # its two samples shared the prompt's blocks, the private ones too
     assert [len(s.output_ids) for s in request.sequences] == [8, 8]
+    # as it ended, its own blocks went (the reason says why); the two before stay cached for everyone
+    assert engine.cache.lookup(own, len(ids)) == engine.cache.lookup(plain, len(ids)) == 2
+    assert engine.cache.state_counts()["cached"] == 2
+    assert engine.cache.pool.private_evictions >= usable - 2  # (the prompt's own, and any full block of a reply)
     alone = engine.add_request(ids, greedy)  # (the same output as a request hashed as everyone's)
     while engine.has_work():
         engine.step()

@@ -282,7 +282,7 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path, caplog):
         assert [(r["tokens"], r["hits"], r["pinned"], r["stale"]) for r in rows] == [
             (256, 0, False, False), (240, 0, True, True)]
         status = call(unix, "GET", "/admin/status").json()
-        assert status["evictions"] == {"capacity": 0, "operator": 0, "tenant_share": 0, "space": 16, "sleep": 0}
+        assert status["evictions"] == {"capacity": 0, "operator": 0, "tenant_share": 0, "space": 16, "sleep": 0, "private": 0}
         assert 'kvd_evicted_blocks_total{reason="space"} 16.0' in call(unix, "GET", "/metrics").text
         from .test_router import _kvctl_prints
 

@@ -39,7 +39,8 @@ from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 
 KINDS = ("stored", "removed")
 TIERS = ("device", "host", "disk", "remote")
-REASONS = ("capacity", "tenant_share", "filesystem", "operator", "corrupt", "unwritten", "gone", "space", "sleep")
+REASONS = ("capacity", "tenant_share", "filesystem", "operator", "corrupt", "unwritten", "gone", "space", "sleep",
+           "private")
 DEFAULT_KEY_LIMIT = 1 << 17  # keys held across all events: ~10 MiB
 EVENT_KEYS = 512  # at most per event (a larger change is several in a row): a page stays small
 

@@ -71,6 +71,7 @@ class BlockPool:
         self.operator_evictions = 0  # indexed blocks dropped on an operator's request
         self.space_evictions = 0  # dropped as new scales loaded: made under the old ones, no request reaches them
         self.sleep_evictions = 0  # dropped as kvd went to sleep and gave back the cache's memory
+        self.private_evictions = 0  # a request's own blocks (explicit prompt cache mode), dropped as it ended
         # key -> (clock value, reason) of recent evictions, oldest first; answers "why did this miss?"
         self.eviction_log: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
         self.eviction_log_size = 65536
@@ -308,7 +309,8 @@ class BlockPool:
         and a block pins again as it is filled or restored).
         `dry_run`: the same answer, of the blocks that would go, and nothing changes.
         `reason`: "operator" (an operator asked), "space" (kvd dropped what new scales made
-        unreachable) or "sleep", as the eviction log, the counters and the event feed say it.
+        unreachable), "sleep" or "private" (the blocks a request hashed as its own, as it ended), as
+        the eviction log, the counters and the event feed say it.
         """
         evicted: list[int] = []
         removed_keys: list[BlockKey] = []
@@ -347,6 +349,8 @@ class BlockPool:
             self.space_evictions += len(evicted)
         elif reason == "sleep":
             self.sleep_evictions += len(evicted)
+        elif reason == "private":
+            self.private_evictions += len(evicted)
         else:
             self.operator_evictions += len(evicted)
         if self.events is not None:

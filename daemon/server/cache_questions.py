@@ -20,7 +20,9 @@ REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its 
                  "gone": "(deleted outside this daemon: on the shared Redis by its memory policy or another "
                          "daemon, or its disk segment from the folder)",
                  "space": "(written under scales or a format this daemon no longer serves)",
-                 "sleep": "as kvd went to sleep and gave back its cache's memory"}
+                 "sleep": "as kvd went to sleep and gave back its cache's memory",
+                 "private": "as the request that wrote it ended (explicit prompt cache mode: no other request "
+                            "could read it)"}
 
 
 def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", requested: int | None = None) -> dict:

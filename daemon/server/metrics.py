@@ -317,6 +317,7 @@ class _EngineCollector:
         evicted.add_metric(["operator"], pool.operator_evictions)
         evicted.add_metric(["space"], pool.space_evictions)  # made under scales since replaced
         evicted.add_metric(["sleep"], pool.sleep_evictions)  # the cache's memory given back (sleep_ops.py)
+        evicted.add_metric(["private"], pool.private_evictions)  # a request's own blocks, as it ended
         yield evicted
         yield CounterMetricFamily("kvd_sliding_window_released_blocks", "Blocks sequences gave back as their "
                                   "sliding window passed them (they stay cached); 0 unless every layer slides one",

@@ -109,7 +109,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                 "formats": engine.format_blocks},  # the blocks each other cache format holds in the same memory
             "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions,
                           "tenant_share": cache.pool.share_evictions, "space": cache.pool.space_evictions,
-                          "sleep": cache.pool.sleep_evictions},
+                          "sleep": cache.pool.sleep_evictions, "private": cache.pool.private_evictions},
             # per tenant: idle (evictable) blocks and share in blocks; None when no shares are set
             "tenant_shares": cache.tenant_shares(),
             "queue": queue,
