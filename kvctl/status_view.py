@@ -212,7 +212,9 @@ def render_status(data: dict, console: Console | None = None):
                   + (f" ({by_share:,} of them from tenants over their share)" if by_share else "")
                   + f", {evictions['operator']:,} by operators"
                   + (f", {evictions['space']:,} made under scales since replaced" if evictions.get("space") else "")
-                  + (f", {evictions['sleep']:,} as kvd went to sleep" if evictions.get("sleep") else ""))
+                  + (f", {evictions['sleep']:,} as kvd went to sleep" if evictions.get("sleep") else "")
+                  + (f", {evictions['private']:,} requests' own as they ended (explicit prompt cache mode)"
+                     if evictions.get("private") else ""))
     if data.get("tenant_shares"):  # absent from an older kvd, null without shares
         facts.add_row("tenant shares", "; ".join(
             f"{tenant} {row['idle_blocks']:,} idle" + (", no share" if row["share_blocks"] is None else

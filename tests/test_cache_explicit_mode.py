@@ -76,9 +76,14 @@ def test_explicit_mode_with_no_mark_reads_nothing_from_the_cache_and_leaves_noth
     assert blocks_all_back(service)
     from .daemon_fixtures import call
 
+    from .test_sleep import kvctl_on
+
     evicted = service.status()["evictions"]["private"]  # its blocks went as each of the two ended
     assert evicted > 0 and f'kvd_evicted_blocks_total{{reason="private"}} {evicted}.0' in call(
         unix, "GET", "/metrics").text.splitlines()
+    code, out = kvctl_on(unix, ["status"])
+    assert code == 0 and (f", {evicted:,} requests' own as they ended (explicit prompt cache mode) "
+                          in " ".join(out.split()) + " ")
 
 
 def test_the_engine_indexes_a_private_tail_under_the_request_s_own_keys_shares_it_and_drops_it_at_the_end(
