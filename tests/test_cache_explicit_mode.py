@@ -206,3 +206,29 @@ def test_a_tenant_the_operator_serves_in_explicit_mode_leaves_nothing_cached_and
         assert cached_for(USER_TOKEN, unmarked) == held and cached_for(USER_TOKEN, unmarked) > held
     finally:
         service.shutdown(1)
+
+
+def test_no_lower_tier_gets_a_request_s_own_blocks(tmp_path):
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, call, start_service, token_table
+    from .test_cache_breakpoints import SYSTEM, held_tokens
+
+    service = start_service(tmp_path, num_blocks=256, disk_cache_bytes="16MiB", tiering="always",
+                            write_policy="write_through")
+    try:
+        unix = apps(service, token_table(tmp_path))[0]
+
+        def on_disk() -> int:
+            assert service.tiers.flush(timeout=10)
+            return call(unix, "GET", "/admin/tiers").json()["tiers"]["disk"]["blocks"]
+
+        cached(unix, ask(SYSTEM, "explicit", marked=False))
+        assert on_disk() == 0  # written through as it ran: none of it, its own
+        cached(unix, ask(SYSTEM, "explicit", prompt_cache_retention="24h"))  # (retention keeps no own block either)
+        assert on_disk() == held_tokens(service, SYSTEM) // service.config.block_size  # the marked prefix alone
+        other = "You are the careful assistant of the platform team; answer in a sentence. " * 4
+        before = on_disk()
+        cached(unix, ask(other, None, marked=False))
+        assert on_disk() - before > held_tokens(service, other) // service.config.block_size + 2  # all of it
+    finally:
+        service.shutdown(1)

@@ -876,10 +876,22 @@ class Engine:
         """Newly full blocks (write_through), or blocks on their first reuse (write_through_selective),
         go to the persistent tiers."""
         pool = self.cache.pool
+        own = None
         for pending in (pool.inserted, pool.reused):
             if pending:
-                self.tiers.write_through([pool.blocks[b] for b in pending])
+                own = self._own_blocks() if own is None else own
+                self.tiers.write_through([pool.blocks[b] for b in pending if b not in own])
                 pending.clear()
+
+    def _own_blocks(self) -> set[int]:
+        """The blocks the running requests hash as their own (explicit prompt cache mode: params.extra
+        "cache_private"): no lower tier gets them, where no request could read them either."""
+        own: set[int] = set()
+        for seq in self._running.values():
+            private = seq.request.params.extra.get("cache_private")
+            if private is not None:
+                own.update(self.cache.block_table(seq.seq_id)[private[0]:])
+        return own
 
     def _retain(self, seq: Sequence) -> None:
         """A request that asked for `prompt_cache_retention: "24h"`: every indexed block the sequence
@@ -887,7 +899,9 @@ class Engine:
         both) goes to the persistent tiers, whatever the write policy (TieredCache.retain); what was
         written is counted for its tenant."""
         pool = self.cache.pool
-        blocks = [pool.blocks[b] for b in self.cache.block_table(seq.seq_id) if b >= 0]
+        private = seq.request.params.extra.get("cache_private")  # (its own blocks: not kept, whatever it asks)
+        table = self.cache.block_table(seq.seq_id)[:private[0] if private is not None else None]
+        blocks = [pool.blocks[b] for b in table if b >= 0]
         written = self.tiers.retain([b for b in blocks if b.key is not None])
         if written:  # (whose requests write to disk: kvctl tenants)
             self.stats.tenants.add_quietly(seq.request.tenant, RETAINED, written)
