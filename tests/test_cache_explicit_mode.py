@@ -124,10 +124,16 @@ def test_the_engine_indexes_a_private_tail_under_the_request_s_own_keys_shares_i
     assert engine.cache.lookup(own, len(ids)) == engine.cache.lookup(plain, len(ids)) == 2
     assert engine.cache.state_counts()["cached"] == 2
     assert engine.cache.pool.private_evictions >= usable - 2  # (the prompt's own, and any full block of a reply)
+    dropped = engine.cache.pool.private_evictions
     alone = engine.add_request(ids, greedy)  # (the same output as a request hashed as everyone's)
     while engine.has_work():
         engine.step()
     assert request.sequences[0].output_ids == alone.sequences[0].output_ids
+    before = engine.cache.state_counts()
+    waiting = engine.add_request(ids, dataclasses.replace(greedy, extra={"cache_private": private}))
+    assert [(e.finish_reason, e.token_id) for e in engine.cancel(waiting.request_id)] == [("cancelled", None)]
+    engine.cache.audit()  # cancelled before it held a block: nothing of its own to drop, nothing else touched
+    assert engine.cache.state_counts() == before and engine.cache.pool.private_evictions == dropped
 
 
 def test_explicit_mode_caches_the_prompt_up_to_its_longest_mark_and_no_further(kvd):

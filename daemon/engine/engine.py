@@ -1516,11 +1516,13 @@ class Engine:
             seq.request.metrics.finished_blocks += held  # (a rollout's cohort figures, per request)
             seq.request.metrics.reserved_unused_blocks += unused
         private = seq.request.params.extra.get("cache_private")
-        if private is not None:  # its own blocks: no other request reads them (a sample still running keeps them)
+        # its own blocks, where it holds any: no other request reads them (a sample still running keeps them)
+        own = None
+        if private is not None and seq.seq_id in self.cache:
             pool = self.cache.pool
             own = [pool.blocks[b].key for b in self.cache.block_table(seq.seq_id)[private[0]:] if b >= 0]
         self.cache.release(seq.seq_id, written_tokens=seq.num_computed)
-        if private is not None:
+        if own:
             self.cache.evict_prefix([key for key in own if key is not None], reason="private")
         self._running.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
