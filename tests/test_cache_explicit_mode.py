@@ -79,8 +79,10 @@ def test_explicit_mode_with_no_mark_reads_nothing_from_the_cache_and_leaves_noth
     from .test_sleep import kvctl_on
 
     evicted = service.status()["evictions"]["private"]  # its blocks went as each of the two ended
-    assert evicted > 0 and f'kvd_evicted_blocks_total{{reason="private"}} {evicted}.0' in call(
-        unix, "GET", "/metrics").text.splitlines()
+    scraped = call(unix, "GET", "/metrics").text.splitlines()
+    assert evicted > 0 and f'kvd_evicted_blocks_total{{reason="private"}} {evicted}.0' in scraped
+    assert {'kvd_prompt_cache_explicit_requests_total{why="asked"} 2.0',
+            'kvd_prompt_cache_explicit_requests_total{why="tenant"} 0.0'} <= set(scraped)
     code, out = kvctl_on(unix, ["status"])
     assert code == 0 and (f", {evicted:,} requests' own as they ended (explicit prompt cache mode) "
                           in " ".join(out.split()) + " ")
@@ -208,6 +210,7 @@ def test_a_tenant_the_operator_serves_in_explicit_mode_leaves_nothing_cached_and
                                                  "num_blocks": 256}, env={})
         changed = service.reload_from_source("test")  # live: acme is served as it asks from now on
         assert "prompt_cache_explicit_tenants" in str(changed)
+        assert service.explicit_requests == {"asked": 0, "tenant": 6}  # acme's six: its tenant's, whatever it asked
         held = held_tokens(service, SYSTEM)  # (acme's marked prefix, held from before)
         assert cached_for(USER_TOKEN, unmarked) == held and cached_for(USER_TOKEN, unmarked) > held
     finally:

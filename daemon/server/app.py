@@ -472,11 +472,13 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         config = service.config
         # explicit prompt cache mode: cached up to its marks alone (not across a KV transfer: the decode kvd
         # must find the blocks the prefill wrote)
-        if cache_breakpoints.served_explicit(getattr(body, "prompt_cache_options", None), who.tenant,
-                                             config.prompt_cache_breakpoints == "honour",
-                                             config.prompt_cache_explicit_tenants) and not kv_transfer.wanted(body):
+        because = cache_breakpoints.explicit_because(getattr(body, "prompt_cache_options", None), who.tenant,
+                                                     config.prompt_cache_breakpoints == "honour",
+                                                     config.prompt_cache_explicit_tenants)
+        if because is not None and not kv_transfer.wanted(body):
             params.extra["cache_private"] = (cache_breakpoints.private_from(
                 params.extra.get("breakpoints", []), engine.settings.block_size), secrets.token_bytes(16))
+            service.explicit_requests[because] += 1
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         sink = LoopSink(loop, events)

@@ -72,11 +72,16 @@ def explicit(options: Any) -> bool:
     return isinstance(options, dict) and options.get("mode") == "explicit"
 
 
-def served_explicit(options: Any, tenant: str, honoured: bool, tenants: tuple[str, ...]) -> bool:
-    """Whether a request of `tenant` is served in explicit mode: it asks for it (where the operator
-    honours breakpoints: `honoured`), or the operator serves its tenant so whatever it asks
-    (`tenants`, prompt_cache_explicit_tenants; "*": every tenant)."""
-    return (honoured and explicit(options)) or tenant in tenants or "*" in tenants
+EXPLICIT_BECAUSE = ("asked", "tenant")  # why a request is served in explicit mode (kvd_prompt_cache_explicit_requests)
+
+
+def explicit_because(options: Any, tenant: str, honoured: bool, tenants: tuple[str, ...]) -> str | None:
+    """Why a request of `tenant` is served in explicit mode: "tenant", the operator serves its tenant
+    so whatever it asks (`tenants`, prompt_cache_explicit_tenants; "*": every tenant); "asked", it
+    asks for it (where the operator honours breakpoints: `honoured`); None: it is not."""
+    if tenant in tenants or "*" in tenants:
+        return "tenant"
+    return "asked" if honoured and explicit(options) else None
 
 
 def private_from(lengths: list[tuple[int, float, str]], block_size: int) -> int:

@@ -59,6 +59,8 @@
     kvd_prompt_cache_breakpoints_total{outcome}  requests' prompt_cache_breakpoint marks as they finished:
                                               held, extended, pinned (an operator's pin holds it), short
                                               (under a block), over_budget (the tenant's pins), no_room
+    kvd_prompt_cache_explicit_requests_total{why}  requests served in explicit prompt cache mode (cached only
+                                              up to what they mark): asked, or tenant (prompt_cache_explicit_tenants)
     kvd_spec_decode_drafts_total              speculative decoding (speculative_config): decode steps that
                                               carried a draft; kvd_spec_decode_draft_tokens_total, the
                                               tokens drafted; kvd_spec_decode_accepted_tokens_total, those the
@@ -480,6 +482,13 @@ class _EngineCollector:
         for outcome in ("held", "extended", "pinned", "short", "over_budget", "no_room"):
             marks.add_metric([outcome], breakpoints.get(outcome, 0))
         yield marks
+        explicit = CounterMetricFamily("kvd_prompt_cache_explicit_requests", "Requests served in OpenAI's explicit "
+                                       "prompt cache mode (cached only up to the prefixes they mark), by why: asked "
+                                       "(prompt_cache_options.mode) or tenant (prompt_cache_explicit_tenants)",
+                                       labels=["why"])
+        for why, count in self.service.explicit_requests.items():
+            explicit.add_metric([why], count)
+        yield explicit
         yield from _speculation_metrics(speculation)
         yield from _prediction_metrics(predicted)
         yield GaugeMetricFamily("kvd_queue_age_seconds", "Age of the oldest waiting request",

@@ -45,6 +45,7 @@ from kvctl.policies.queue_order import by_priority
 
 from . import device_loss, lora_ops, pin_ops, reasoning, reload_ops, response_admin, tier_ops, tool_calls, weights_ops
 from .breakpoint_holds_file import restore_holds, save_holds
+from .cache_breakpoints import EXPLICIT_BECAUSE
 from .admin_slots import WriteSlots
 from .batch_files import FileBudgets, FileStore
 from .webhooks import Webhooks, read_endpoints
@@ -175,6 +176,8 @@ class EngineService:
         self.draining = False  # an operator's drain: no new completion; what runs finishes (kvctl drain)
         # completions refused before the engine took them in, by why (REFUSAL_REASONS; count_refused)
         self.refused = dict.fromkeys(REFUSAL_REASONS, 0)
+        # requests served in OpenAI's explicit prompt cache mode, by why (cache_breakpoints.EXPLICIT_BECAUSE)
+        self.explicit_requests = dict.fromkeys(EXPLICIT_BECAUSE, 0)
         self._refused_lock = threading.Lock()
         self.asleep = None  # sleep_ops.Sleep while the cache's memory (or the weights') is given back
         self.sleep_lock = threading.Lock()  # one sleep or wake at a time
