@@ -445,15 +445,14 @@ class Engine:
         # (under a sliding window, its longest is its window's blocks)
         longest = self.cache.peak_blocks(len(prompt_ids) + params.max_tokens)
         if prefix_keys is not None and (not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids)
-                                        or prefix_keys[3].private != params.extra.get("cache_private")):
+                                        or prefix_keys[3].private != params.cache_private):
             prefix_keys = None  # hashed from other tokens (or not as its own): hashed again where needed
         pinned, room = 0, total
         # pinned blocks are never evicted: they count against it, but for those of its own prefix
         # (counted only when pins could stand in its way: the keys they hold bound their blocks)
         if longest > total - self.cache.pool.num_pin_keys:
             if prefix_keys is None:
-                prefix_keys = self._keys_in(self.request_namespace(request), list(prompt_ids),
-                                            params.extra.get("cache_private"))
+                prefix_keys = self._keys_in(self.request_namespace(request), list(prompt_ids), params.cache_private)
             pinned, room = self.cache.room_beside_pins(prefix_keys[2], reuse=not request.scoring)
         kind = None
         if needed > total:
@@ -506,9 +505,9 @@ class Engine:
         """(namespace, token count, block keys, hasher after them, the ids) for these tokens: safe
         to call without the engine's lock (it reads configuration only; a namespace that changes
         before admission is noticed there). `params`: the request's, where it hashes part of its
-        prompt as its own (params.extra "cache_private": PrefixHasher's `private`)."""
-        private = params.extra.get("cache_private") if params is not None else None
-        return self._keys_in(self.namespace(tenant, adapter), token_ids, private)
+        prompt as its own (SamplingParams.cache_private: PrefixHasher's `private`)."""
+        return self._keys_in(self.namespace(tenant, adapter), token_ids,
+                             params.cache_private if params is not None else None)
 
     @staticmethod
     def _keys_in(namespace: Namespace, token_ids: list[int], private: tuple[int, bytes] | None = None) -> tuple:
@@ -524,7 +523,7 @@ class Engine:
         request = seq.request
         namespace = self.request_namespace(request)
         if memo is None or memo[0] != namespace or memo[1] != len(tokens):
-            memo = seq.prefix_keys = self._keys_in(namespace, tokens, request.params.extra.get("cache_private"))
+            memo = seq.prefix_keys = self._keys_in(namespace, tokens, request.params.cache_private)
         return memo[2], memo[3].copy()
 
     def fetching_prefix(self, request: Request) -> bool:
@@ -884,11 +883,11 @@ class Engine:
                 pending.clear()
 
     def _own_blocks(self) -> set[int]:
-        """The blocks the running requests hash as their own (explicit prompt cache mode: params.extra
-        "cache_private"): no lower tier gets them, where no request could read them either."""
+        """The blocks the running requests hash as their own (explicit prompt cache mode:
+        SamplingParams.cache_private): no lower tier gets them, where no request could read them either."""
         own: set[int] = set()
         for seq in self._running.values():
-            private = seq.request.params.extra.get("cache_private")
+            private = seq.request.params.cache_private
             if private is not None:
                 own.update(self.cache.block_table(seq.seq_id)[private[0]:])
         return own
@@ -899,7 +898,7 @@ class Engine:
         both) goes to the persistent tiers, whatever the write policy (TieredCache.retain); what was
         written is counted for its tenant."""
         pool = self.cache.pool
-        private = seq.request.params.extra.get("cache_private")  # (its own blocks: not kept, whatever it asks)
+        private = seq.request.params.cache_private  # (its own blocks: not kept, whatever it asks)
         table = self.cache.block_table(seq.seq_id)[:private[0] if private is not None else None]
         blocks = [pool.blocks[b] for b in table if b >= 0]
         written = self.tiers.retain([b for b in blocks if b.key is not None])
@@ -1515,7 +1514,7 @@ class Engine:
             self.stats.reserved_unused_blocks += unused
             seq.request.metrics.finished_blocks += held  # (a rollout's cohort figures, per request)
             seq.request.metrics.reserved_unused_blocks += unused
-        private = seq.request.params.extra.get("cache_private")
+        private = seq.request.params.cache_private
         # its own blocks, where it holds any: no other request reads them (a sample still running keeps them)
         own = None
         if private is not None and seq.seq_id in self.cache:

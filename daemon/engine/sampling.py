@@ -38,6 +38,9 @@ class ContextLengthExceeded(RequestError):
 
 
 MAX_LOGPROBS = 20  # alternatives a request may ask for per token (vLLM's default limit)
+# extra: (blocks, nonce) where a request hashes its prompt as its own from block `blocks` on (OpenAI's
+# explicit prompt cache mode; PrefixHasher's `private`)
+CACHE_PRIVATE = "cache_private"
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,11 @@ class SamplingParams:
     # an edit), drafted ahead of each sample and kept where the model agrees (engine/speculative.py)
     prediction: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def cache_private(self) -> tuple[int, bytes] | None:
+        """Where and how the request hashes its blocks as its own (extra[CACHE_PRIVATE]), or None."""
+        return self.extra.get(CACHE_PRIVATE)
 
     @property
     def adjusts_logits(self) -> bool:

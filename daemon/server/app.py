@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvctl import __version__ as kvctl_version
 from kvctl.daemon.config import retention_for
 from kvctl.daemon.engine.engine import AdmissionRejected
-from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, SamplingParams
+from kvctl.daemon.engine.sampling import CACHE_PRIVATE, ContextLengthExceeded, RequestError, SamplingParams
 from kvctl.daemon.model.chat_template import ChatTemplateError
 from kvctl.daemon.store import StoreUnavailable
 
@@ -476,7 +476,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                                      config.prompt_cache_breakpoints == "honour",
                                                      config.prompt_cache_explicit_tenants)
         if because is not None and not kv_transfer.wanted(body):
-            params.extra["cache_private"] = (cache_breakpoints.private_from(
+            params.extra[CACHE_PRIVATE] = (cache_breakpoints.private_from(
                 params.extra.get("breakpoints", []), engine.settings.block_size), secrets.token_bytes(16))
             service.explicit_requests[because] += 1
         loop = asyncio.get_running_loop()

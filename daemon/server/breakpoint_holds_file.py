@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, PinLeavesNoRoom
+from kvctl.daemon.cache import PinBudgetExceeded, PinLeavesNoRoom
 from kvctl.daemon.cache.pins import Pin
 from kvctl.daemon.whole_file import write_whole
 
@@ -79,7 +79,8 @@ def restore_holds(cache, clock: float, state_dir: str | Path) -> dict[str, int]:
             cache.hold(hold["tenant"], keys, left, space=hold.get("space"), adapter_id=hold.get("adapter_id"),
                        created_at=clock_reading(hold.get("created_at"), now, clock))
             counts["held"] += 1
-        except (PinBudgetExceeded, PinLeavesNoRoom, InvalidRequest, KeyError, TypeError, ValueError) as exc:
+        # (InvalidRequest, an empty hold, is a ValueError)
+        except (PinBudgetExceeded, PinLeavesNoRoom, KeyError, TypeError, ValueError) as exc:
             counts["refused"] += 1
             log.warning("a request's breakpoint hold of tenant %s is not held again after the restart: %s",
                         hold.get("tenant") if isinstance(hold, dict) else "?", exc)
