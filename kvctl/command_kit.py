@@ -43,12 +43,15 @@ def show_or_watch(fetch: Callable[[], dict], view, watch: bool, as_json: bool,
     emit(for_json(data) if as_json else data, as_json, lambda d: Console().print(view(d)))
 
 
-def prompt_body(text: str | None, tokens: str | None, file: Path | None, messages: Path | None = None) -> dict:
+def prompt_body(text: str | None, tokens: str | None, file: Path | None, messages: Path | None = None,
+                cache_options: bool = False) -> dict:
+    """The prompt an admin request names, from kvctl's arguments (one of them). `cache_options`: with
+    a request's body in `messages`, its `prompt_cache_options` come too (kvctl explain)."""
     given = [x for x in (text, tokens, file, messages) if x is not None]
     if len(given) != 1:
         raise UserError("give exactly one of TEXT, --tokens, --file or --messages")
     if messages is not None:
-        return chat_messages_file(messages)
+        return chat_messages_file(messages, cache_options)
     if tokens is not None:
         try:
             return {"tokens": [int(t) for t in tokens.split(",") if t.strip()]}
@@ -59,11 +62,12 @@ def prompt_body(text: str | None, tokens: str | None, file: Path | None, message
     return {"text": text}
 
 
-def chat_messages_file(path: Path) -> dict:
+def chat_messages_file(path: Path, cache_options: bool = False) -> dict:
     """`{"messages": [...]}` from a JSON file: a list of {role, content}, a chat request's body (an
-    object with `messages`, whose `chat_template_kwargs` and `tools` come too), or a Responses
-    request's body (`input`, with its `instructions` and `tools`: the chat kvd serves it as). kvd
-    checks them and renders them with the model's chat template."""
+    object with `messages`, whose `chat_template_kwargs` and `tools` come too, and with
+    `cache_options` its `prompt_cache_options`), or a Responses request's body (`input`, with its
+    `instructions` and `tools`: the chat kvd serves it as). kvd checks them and renders them with
+    the model's chat template."""
     from kvctl.daemon.server.chat_messages import asked_kwargs
 
     raw = read_text(path, "messages", "give a JSON list of {\"role\", \"content\"} messages")
@@ -72,10 +76,11 @@ def chat_messages_file(path: Path) -> dict:
     except ValueError as exc:
         raise UserError(f"messages: {str(path)!r} is not JSON ({exc})") from None
     extra = {}
+    kept = ("tools", "prompt_cache_options") if cache_options else ("tools",)
     if isinstance(loaded, dict) and "input" in loaded and "messages" not in loaded:
-        return responses_chat(loaded, path)
+        return {**responses_chat(loaded, path), **{key: loaded[key] for key in kept[1:] if loaded.get(key) is not None}}
     if isinstance(loaded, dict) and "messages" in loaded:
-        extra = {key: loaded[key] for key in ("tools",) if loaded.get(key) is not None}
+        extra = {key: loaded[key] for key in kept if loaded.get(key) is not None}
         kwargs = asked_kwargs(loaded)  # (with the request's reasoning_effort, as kvd renders it)
         if kwargs is not None:
             extra["chat_template_kwargs"] = kwargs

@@ -527,18 +527,36 @@ def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help=
             tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
             model: Optional[str] = typer.Option(None, help="A LoRA adapter's name (lora_modules): look in its own "
                                                            "blocks. Default: the model's."),
+            mode: Optional[str] = typer.Option(None, "--prompt-cache-mode",
+                                               help="implicit or explicit: as a request asking OpenAI's prompt cache "
+                                                    "mode (explicit: cached up to its marked breakpoints alone). "
+                                                    "Default: what a --messages request body asks, else implicit."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """How much of a prompt would hit the cache, and why the first miss misses.
 
+    A tenant kvd serves in explicit prompt cache mode (prompt_cache_explicit_tenants), or a request
+    asking it, reads the cache only up to its longest marked breakpoint.
+
     Example: kvctl explain --file system_prompt.txt --tenant acme
     """
-    body = {**prompt_body(text, tokens, file, messages), "tenant": tenant, **({"model": model} if model else {})}
+    body = {**prompt_body(text, tokens, file, messages, cache_options=True), "tenant": tenant,
+            **({"model": model} if model else {})}
+    if mode is not None:
+        if mode not in ("implicit", "explicit"):
+            raise UserError(f"prompt-cache-mode: must be implicit or explicit, got {mode!r}")
+        options = body.get("prompt_cache_options")
+        body["prompt_cache_options"] = {**(options if isinstance(options, dict) else {}), "mode": mode}
     data = client_for(ctx).post("/admin/explain", body)
 
     def render(d):
         Console().print(f"{d['hit_tokens']} of {d['prompt_tokens']} tokens would hit "
                         f"({d['hit_blocks']} of {d['full_blocks']} full blocks, tenant {d['tenant']}"
                         + (f", LoRA adapter {d['adapter']}" if d.get("adapter") else "") + ")")
+        cache = d.get("prompt_cache") or {}  # (an older kvd does not say)
+        if cache.get("mode") == "explicit":
+            why = "its tenant's setting" if cache["why"] == "tenant" else "asked"
+            Console().print(f"explicit prompt cache mode ({why}): only its first {cache['shared_blocks']} full "
+                            "blocks can hit", highlight=False)
         replies = d.get("replies")  # a chat's (an older kvd does not say)
         if replies and replies["assistant_messages"]:
             Console().print(replies_text(replies), highlight=False)

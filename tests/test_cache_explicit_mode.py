@@ -241,3 +241,106 @@ def test_no_lower_tier_gets_a_request_s_own_blocks(tmp_path):
         assert on_disk() - before > held_tokens(service, other) // service.config.block_size + 2  # all of it
     finally:
         service.shutdown(1)
+
+
+# ---- the "why did this miss?" explainer, for a request in explicit mode -----------------------------
+def explained(unix, **body) -> dict:
+    from .daemon_fixtures import call
+
+    answer = call(unix, "POST", "/admin/explain", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_explain_caps_the_hits_of_a_request_in_explicit_mode_at_its_marked_prefix_and_says_why(kvd):
+    from .daemon_fixtures import call
+    from .test_cache_breakpoints import SYSTEM, held_tokens
+
+    service, unix = kvd
+    size = service.config.block_size
+    cached(unix, ask(SYSTEM, None, marked=False))  # an ordinary request: the whole prompt cached
+    whole = explained(unix, messages=ask(SYSTEM, None)["messages"])
+    assert whole["prompt_cache"] == {"mode": "implicit"}
+    assert whole["hit_blocks"] == whole["full_blocks"] - (whole["prompt_tokens"] % size == 0)
+    assert whole["first_miss"]["reason"] in ("partial_block", "last_token_computed")
+
+    held = held_tokens(service, SYSTEM) // size
+    marked = explained(unix, **{key: value for key, value in ask(SYSTEM, "explicit").items()
+                                if key in ("messages", "prompt_cache_options")})
+    assert (marked["hit_blocks"], marked["hit_tokens"]) == (held, held * size)
+    assert marked["prompt_cache"] == {"mode": "explicit", "why": "asked", "shared_blocks": held}
+    assert marked["first_miss"] == {
+        "block": held, "reason": "explicit_mode",
+        "detail": "the request asks for explicit prompt cache mode (prompt_cache_options.mode): only its longest "
+                  f"marked prefix's {held} full blocks ({held * size} tokens) are read from the cache; what follows "
+                  "is its own, and leaves the cache as it ends"}
+    unmarked = explained(unix, messages=ask(SYSTEM, None, marked=False)["messages"],
+                         prompt_cache_options={"mode": "explicit"})
+    assert (unmarked["hit_blocks"], unmarked["prompt_cache"]["shared_blocks"]) == (0, 0)
+    assert unmarked["first_miss"] == {
+        "block": 0, "reason": "explicit_mode",
+        "detail": "the request asks for explicit prompt cache mode (prompt_cache_options.mode), and it marks no "
+                  "prompt cache breakpoint: none of its prompt is read from the cache, or left there for another "
+                  "request"}
+    text = explained(unix, text=SYSTEM + QUESTION, prompt_cache_options={"mode": "explicit"})  # a completion's
+    assert (text["hit_blocks"], text["first_miss"]["reason"]) == (0, "explicit_mode")
+    refused = call(unix, "POST", "/admin/explain", json={"text": SYSTEM, "prompt_cache_options": {"mode": "private"}})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == ("prompt_cache_options.mode: must be implicit or explicit, got "
+                                                  "'private'")
+    assert refused.json()["error"]["param"] == "prompt_cache_options.mode"
+
+
+def test_explain_says_a_tenant_is_served_in_explicit_mode_and_a_miss_before_the_mark_is_an_ordinary_one(tmp_path):
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, call, start_service, token_table
+    from .test_cache_breakpoints import SYSTEM, held_tokens
+
+    service = start_service(tmp_path, num_blocks=256, prompt_cache_explicit_tenants="acme")
+    try:
+        unix = apps(service, token_table(tmp_path))[0]
+        prompt = SYSTEM + QUESTION
+        for tenant in ("acme", "globex"):  # an operator's pin holds the prompt's blocks for each
+            assert call(unix, "POST", "/admin/pins", json={"text": prompt, "tenant": tenant}).status_code == 200
+        acme, globex = (explained(unix, text=prompt, tenant=tenant) for tenant in ("acme", "globex"))
+        assert globex["prompt_cache"] == {"mode": "implicit"} and globex["hit_blocks"] > 0
+        assert (acme["hit_blocks"], acme["prompt_cache"]) == (0, {"mode": "explicit", "why": "tenant",
+                                                                  "shared_blocks": 0})
+        assert acme["first_miss"]["detail"] == (
+            "tenant 'acme' is served in explicit prompt cache mode (prompt_cache_explicit_tenants), and it marks no "
+            "prompt cache breakpoint: none of its prompt is read from the cache, or left there for another request")
+        # marked, but its marked prefix is not cached for this tenant: the miss is an ordinary one
+        other = "You are the careful assistant of the platform team; answer in a sentence. " * 4
+        marked = explained(unix, messages=ask(other, None)["messages"], tenant="acme")
+        held = held_tokens(service, other) // service.config.block_size
+        assert marked["prompt_cache"] == {"mode": "explicit", "why": "tenant", "shared_blocks": held}
+        assert (marked["hit_blocks"], marked["first_miss"]["block"], marked["first_miss"]["reason"]) == (
+            0, 0, "never_cached")
+    finally:
+        service.shutdown(1)
+
+
+def test_kvctl_explain_sends_a_request_s_cache_options_and_says_it_is_in_explicit_mode(kvd, tmp_path):
+    import json
+
+    from .test_cache_breakpoints import SYSTEM, held_tokens
+    from .test_sleep import kvctl_on
+
+    service, unix = kvd
+    cached(unix, ask(SYSTEM, None, marked=False))
+    held = held_tokens(service, SYSTEM) // service.config.block_size
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps(ask(SYSTEM, "explicit")))
+    code, out = kvctl_on(unix, ["explain", "--messages", str(request)])
+    lines = out.splitlines()
+    assert code == 0 and lines[1] == f"explicit prompt cache mode (asked): only its first {held} full blocks can hit"
+    assert lines[0].startswith(f"{held * service.config.block_size} of ")
+    assert lines[2].startswith(f"first miss at block {held}: explicit_mode — the request asks for explicit prompt")
+    code, out = kvctl_on(unix, ["explain", "--messages", str(request), "--prompt-cache-mode", "implicit"])
+    assert code == 0 and "explicit" not in out.splitlines()[1]  # the file's mode, overridden
+    code, out = kvctl_on(unix, ["explain", SYSTEM, "--prompt-cache-mode", "explicit", "--json"])
+    assert code == 0 and json.loads(out)["prompt_cache"] == {"mode": "explicit", "why": "asked", "shared_blocks": 0}
+    from kvctl.errors import UserError
+
+    with pytest.raises(UserError, match=r"^prompt-cache-mode: must be implicit or explicit, got 'own'$"):
+        kvctl_on(unix, ["explain", SYSTEM, "--prompt-cache-mode", "own"])

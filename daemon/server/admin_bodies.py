@@ -187,6 +187,8 @@ class ExplainRequest(BaseModel):
     messages: list[Any] | None = None  # a chat, rendered as /v1/chat/completions renders it
     chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
     tools: Any = None  # with messages: as /v1/chat/completions takes them
+    # explain: OpenAI's, as a request sends it (explicit mode: cached up to its marked breakpoints alone)
+    prompt_cache_options: Any = None
     tenant: Tenant | None = None
     model: str | None = None  # a LoRA adapter's name: its blocks (None, or the model's name: the model's)
     # route-facts: the request's own priority (vLLM's; it may defer itself under queue_order priority)

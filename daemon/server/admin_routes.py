@@ -21,8 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
-from . import (cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops, health_checks, inflight, lora_ops,
-               pin_ops, prefix_ops, reload_ops, response_admin, rollout_ops, sleep_ops, tier_ops, weights_ops)
+from . import (cache_breakpoints, cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops,
+               health_checks, inflight, lora_ops, pin_ops, prefix_ops, reload_ops, response_admin, rollout_ops, sleep_ops, tier_ops, weights_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
                            LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, ReplyIdsRequest, ResponsesPurge,
                            RolloutAdvance, RolloutRollback,
@@ -207,7 +207,8 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
         tenant = body.tenant or who.tenant
         token_ids, replies = prompt_of(body, tenant)
-        answer = cache_questions.explain(service, token_ids, tenant, service.adapter_named(body.model))
+        answer = cache_questions.explain(service, token_ids, tenant, service.adapter_named(body.model),
+                                         explicit_mode(body, tenant, token_ids))
         return answer if replies is None else {**answer, "replies": replies}  # a chat's: how its replies went in
 
     @router.get("/admin/tenants")
@@ -443,6 +444,21 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     def tokens_of(body: ExplainRequest | PinRequest | EvictRequest, tenant: str, opens_reply: bool = True) -> list[int]:
         """The prompt an admin request names (`prompt_of`)."""
         return prompt_of(body, tenant, opens_reply)[0]
+
+    def explicit_mode(body: ExplainRequest, tenant: str, token_ids: list[int]) -> tuple[str, int] | None:
+        """Whether a request of `tenant` sending this body would be served in explicit prompt cache
+        mode, and its first block hashed as its own (cache_breakpoints.private_start): its
+        `prompt_cache_options` and its messages' marks, placed as a chat request's are."""
+        options = body.prompt_cache_options
+        try:
+            marked = cache_breakpoints.marks(body.messages, options)  # (checks options too)
+            lengths = [] if not marked or service.config.prompt_cache_breakpoints != "honour" else \
+                cache_breakpoints.rendered_lengths(service, body.messages, marked, token_ids,
+                                                   body.chat_template_kwargs, checked_tools(body.tools), tenant)
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        return cache_breakpoints.private_start(options, tenant, service.config, lengths,
+                                               service.require_ready().settings.block_size)
 
     def prompt_of(body: ExplainRequest | PinRequest | EvictRequest, tenant: str,
                   opens_reply: bool = True) -> tuple[list[int], dict | None]:

@@ -328,14 +328,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         shape = chat_shape(body, tool_mode)
         params = sampling(body, limit, api, logprobs, body.prompt_logprobs, constraint, who.tenant)
         if marked and service.config.prompt_cache_breakpoints == "honour":
-            def ending_inside(upto: list[dict]) -> list[int]:  # (a template that cannot: that mark is not placed)
-                try:
-                    return service.chat_prompt(chat_messages(upto), False, True, kwargs, tools, tenant=splicing)
-                except (MessagesError, ChatTemplateError):
-                    return []
-
-            params.extra["breakpoints"] = await run_in_threadpool(cache_breakpoints.prefix_lengths, body.messages,
-                                                                  marked, ending_inside, ids)
+            params.extra["breakpoints"] = await run_in_threadpool(cache_breakpoints.rendered_lengths, service,
+                                                                  body.messages, marked, ids, kwargs, tools, splicing)
         if predicted:  # its tokens, as the model would write them (no special token a prompt starts with)
             prediction = await run_in_threadpool(engine.tokenizer.encode, predicted, False)
             params = dataclasses.replace(params, prediction=tuple(prediction))
@@ -469,16 +463,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 params.extra["router"] = RouterAttempt.parse(routed)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param=ROUTER_ATTEMPT_HEADER) from None
-        config = service.config
         # explicit prompt cache mode: cached up to its marks alone (not across a KV transfer: the decode kvd
         # must find the blocks the prefill wrote)
-        because = cache_breakpoints.explicit_because(getattr(body, "prompt_cache_options", None), who.tenant,
-                                                     config.prompt_cache_breakpoints == "honour",
-                                                     config.prompt_cache_explicit_tenants)
-        if because is not None and not kv_transfer.wanted(body):
-            params.extra[CACHE_PRIVATE] = (cache_breakpoints.private_from(
-                params.extra.get("breakpoints", []), engine.settings.block_size), secrets.token_bytes(16))
-            service.explicit_requests[because] += 1
+        private = cache_breakpoints.private_start(getattr(body, "prompt_cache_options", None), who.tenant,
+                                                  service.config, params.extra.get("breakpoints", []),
+                                                  engine.settings.block_size)
+        if private is not None and not kv_transfer.wanted(body):
+            params.extra[CACHE_PRIVATE] = (private[1], secrets.token_bytes(16))
+            service.explicit_requests[private[0]] += 1
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         sink = LoopSink(loop, events)

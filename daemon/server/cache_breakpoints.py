@@ -26,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .chat_messages import MessagesError
+from kvctl.daemon.model.chat_template import ChatTemplateError
+
+from .chat_messages import MessagesError, chat_messages
 
 TTLS = {"30m": 1800.0, "12h": 43200.0}  # OpenAI's lifetimes, in seconds
 DEFAULT_TTL = "30m"
@@ -126,6 +128,30 @@ def prefix_lengths(messages: list[dict], found: list[Mark], render: Callable[[li
         if tokens and TTLS[mark.ttl] >= TTLS[held.get(tokens, mark.ttl)]:
             held[tokens] = mark.ttl
     return [(tokens, TTLS[ttl], ttl) for tokens, ttl in sorted(held.items())]
+
+
+def rendered_lengths(service, messages: list[dict], found: list[Mark], prompt_ids: list[int],
+                     template_kwargs: dict | None, tools: list[dict] | None, tenant: str | None):
+    """`prefix_lengths`, each mark's messages rendered by `service`'s chat template as the request's
+    prompt was (its kwargs and tools; with `tenant`, its replies as their own ids). A template that
+    cannot end inside a message places no mark there."""
+    def ending_inside(upto: list[dict]) -> list[int]:
+        try:
+            return service.chat_prompt(chat_messages(upto), False, True, template_kwargs, tools, tenant=tenant)
+        except (MessagesError, ChatTemplateError):
+            return []
+
+    return prefix_lengths(messages, found, ending_inside, prompt_ids)
+
+
+def private_start(options: Any, tenant: str, config, lengths: list[tuple[int, float, str]],
+                  block_size: int) -> tuple[str, int] | None:
+    """(why, first block hashed as the request's own) where a request of `tenant` asking `options`
+    under kvd's `config` is served in explicit mode (`explicit_because`, `private_from`), else None.
+    `lengths`: its placed marks' (`prefix_lengths`; none where the operator ignores them)."""
+    because = explicit_because(options, tenant, config.prompt_cache_breakpoints == "honour",
+                               config.prompt_cache_explicit_tenants)
+    return None if because is None else (because, private_from(lengths, block_size))
 
 
 def _common(a: list[int], b: list[int]) -> int:

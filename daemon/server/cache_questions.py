@@ -68,23 +68,32 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", r
             "asleep": service.asleep is not None, "chat_template": service.chat_template_digest}
 
 
-def explain(service, token_ids: list[int], tenant: str, adapter: str = "") -> dict:
+def explain(service, token_ids: list[int], tenant: str, adapter: str = "",
+            private: tuple[str, int] | None = None) -> dict:
     """How much of the prompt hits the device cache for `tenant` (under LoRA adapter `adapter`:
-    its own blocks), and why its first missing block misses. Hashes outside the service lock (the
-    engine steps meanwhile)."""
+    its own blocks), and why its first missing block misses. `private`: the request is served in
+    explicit prompt cache mode (cache_breakpoints.private_start: why, and the first block it hashes
+    as its own), so nothing from that block on hits. Hashes outside the service lock (the engine
+    steps meanwhile)."""
     engine = service.require_ready()
     size = engine.settings.block_size
     keys = chain_keys(engine.namespace(tenant, adapter), token_ids)
+    shared = len(keys) if private is None else private[1]  # the blocks it may read from the cache
     with service.engine_lock():
         cache = engine.cache
         cacheable = cache.cacheable_blocks(len(token_ids))
-        hits = cache.lookup(keys, len(token_ids))
+        hits = min(cache.lookup(keys, len(token_ids)), shared)
         body = {"prompt_tokens": len(token_ids), "block_size": size, "full_blocks": len(keys),
-                "hit_blocks": hits, "hit_tokens": hits * size, "tenant": tenant, "adapter": adapter or None}
+                "hit_blocks": hits, "hit_tokens": hits * size, "tenant": tenant, "adapter": adapter or None,
+                "prompt_cache": {"mode": "implicit"} if private is None else
+                {"mode": "explicit", "why": private[0], "shared_blocks": min(shared, cacheable)}}
         if len(token_ids) < size:
             body["first_miss"] = {"block": 0, "reason": "shorter_than_a_block",
                                   "detail": f"{len(token_ids)} tokens is less than one block of {size}; "
                                             "only full blocks are cached"}
+        elif hits >= shared < cacheable:
+            body["first_miss"] = {"block": hits, "reason": "explicit_mode",
+                                  "detail": explicit_detail(private[0], tenant, shared, size)}
         elif hits >= cacheable and len(token_ids) % size:
             rest = len(token_ids) % size
             body["first_miss"] = {"block": hits, "reason": "partial_block",
@@ -105,8 +114,19 @@ def explain(service, token_ids: list[int], tenant: str, adapter: str = "") -> di
         models = _other_models_holding(service, engine, token_ids, hits, tenant, adapter)
         body["first_miss"] = _cached_miss(service, engine, hits, key, lower, logged, other, device_clock, models)
         if lower != "evicted":
-            body["first_miss"].update(_lower_tier_run(service, engine, keys[hits:cacheable]))
+            body["first_miss"].update(_lower_tier_run(service, engine, keys[hits:min(cacheable, shared)]))
     return body
+
+
+def explicit_detail(why: str, tenant: str, shared: int, block_size: int) -> str:
+    """Why a request in explicit prompt cache mode reads nothing from the cache past block `shared`."""
+    mode = (f"tenant {tenant!r} is served in explicit prompt cache mode (prompt_cache_explicit_tenants)"
+            if why == "tenant" else "the request asks for explicit prompt cache mode (prompt_cache_options.mode)")
+    if not shared:
+        return (mode + ", and it marks no prompt cache breakpoint: none of its prompt is read from the cache, "
+                       "or left there for another request")
+    return (mode + f": only its longest marked prefix's {shared} full blocks ({shared * block_size} tokens) are read "
+                   "from the cache; what follows is its own, and leaves the cache as it ends")
 
 
 def _other_tenants_holding(service, engine: Engine, token_ids: list[int], block: int, roots: dict,
