@@ -168,6 +168,62 @@ def test_ignore_serves_explicit_mode_as_kvd_caches_any_request(tmp_path):
         service.shutdown(1)
 
 
+
+def test_a_preempted_sample_finds_the_request_s_own_blocks_again_and_they_go_as_its_last_sample_ends(tmp_path):
+    pytest.importorskip("torch")
+    import dataclasses
+
+    from kvctl.daemon.engine.engine import Engine, EngineSettings
+    from kvctl.daemon.engine.requests import SeqStatus
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.llama import load_model
+
+    demo = load_model(ensure_demo_checkpoint(tmp_path))
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    ids = demo.tokenizer.encode("Operators pin hot prefixes such as system prompts, and evict the rest. " * 6)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    namespace = engine.namespace("default")
+    usable = engine.cache.cacheable_blocks(len(ids))
+
+    def own_hits(private) -> int:
+        return engine.cache.lookup(PrefixHasher(namespace, private=private).feed(ids), len(ids))
+
+    private = (2, b"request-own-nonce")
+    request = engine.add_request(ids, dataclasses.replace(greedy, n=2, extra={"cache_private": private}))
+    while engine.cache.num_sequences < 2 or any(len(s.output_ids) < 2 for s in request.sequences):
+        engine.step()
+    first, second = request.sequences
+    settings = engine.settings
+    engine.settings = dataclasses.replace(settings, max_running=1)  # (no room to come back while its sibling runs)
+    engine._preempt(second)  # as a full cache would
+    while first.status is not SeqStatus.FINISHED:
+        engine.step()
+    assert second.status is SeqStatus.WAITING and engine.cache.pool.private_evictions == 0
+    assert own_hits(private) == usable  # its sibling ended; what is its request's own stays for it
+    engine.settings = settings
+    while engine.has_work():
+        engine.step()
+    engine.cache.audit()
+    assert request.metrics.preemptions == 1 and second.output_ids == first.output_ids
+    assert request.metrics.recomputed_tokens < 16  # its prompt found again, its own blocks too
+    assert own_hits(private) == 2 and engine.cache.state_counts()["cached"] == 2  # the last gone, the rest too
+    assert engine.cache.pool.private_evictions >= usable - 2
+    dropped = engine.cache.pool.private_evictions
+
+    # preempted, and cancelled while it waits for its turn again: what it wrote goes all the same
+    alone = (2, b"another-nonce")
+    waiting = engine.add_request(ids, dataclasses.replace(greedy, extra={"cache_private": alone}))
+    while len(waiting.sequences[0].output_ids) < 2:
+        engine.step()
+    engine._preempt(waiting.sequences[0])
+    assert own_hits(alone) == usable
+    engine.cancel(waiting.request_id)
+    engine.cache.audit()
+    assert own_hits(alone) == 2 and engine.cache.state_counts()["cached"] == 2
+    assert engine.cache.pool.private_evictions >= dropped + usable - 2
+
+
 # ---- the operator's: a tenant served in explicit mode whatever it asks ---------------------------
 def test_prompt_cache_explicit_tenants_is_checked_where_it_is_given():
     from kvctl.daemon.config import ConfigError, resolve

@@ -882,6 +882,16 @@ class Engine:
                 self.tiers.write_through([pool.blocks[b] for b in pending if b not in own])
                 pending.clear()
 
+    def _own_keys(self, seq: Sequence, start: int) -> list[bytes]:
+        """The keys of the blocks `seq` wrote as its request's own (from block `start`): those of its
+        block table, or where it holds none (preempted, and ended while it waited for its turn again),
+        those its tokens hash to, which the blocks it wrote before were indexed under."""
+        if seq.seq_id in self.cache:
+            pool = self.cache.pool
+            return [pool.blocks[b].key for b in self.cache.block_table(seq.seq_id)[start:]
+                    if b >= 0 and pool.blocks[b].key is not None]
+        return self._prefix_keys(seq)[0][start:] if seq.ever_computed else []
+
     def _own_blocks(self) -> set[int]:
         """The blocks the running requests hash as their own (explicit prompt cache mode:
         SamplingParams.cache_private): no lower tier gets them, where no request could read them either."""
@@ -1515,17 +1525,17 @@ class Engine:
             seq.request.metrics.finished_blocks += held  # (a rollout's cohort figures, per request)
             seq.request.metrics.reserved_unused_blocks += unused
         private = seq.request.params.cache_private
-        # its own blocks, where it holds any: no other request reads them (a sample still running keeps them)
-        own = None
-        if private is not None and seq.seq_id in self.cache:
-            pool = self.cache.pool
-            own = [pool.blocks[b].key for b in self.cache.block_table(seq.seq_id)[private[0]:] if b >= 0]
+        if private is not None:
+            seq.request.own_keys += self._own_keys(seq, private[0])
         self.cache.release(seq.seq_id, written_tokens=seq.num_computed)
-        if own:
-            self.cache.evict_prefix([key for key in own if key is not None], reason="private")
         self._running.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if private is not None and seq.request.finished:
+            # its own blocks: no other request reads them; kept until its last sample ends, for a sample
+            # preempted meanwhile to find again (a sample still running keeps those it holds)
+            self.cache.evict_prefix(seq.request.own_keys, reason="private")
+            seq.request.own_keys = []
         if ran:
             self._reservation(seq.request).observe(len(seq.output_ids))
         self.stats.finished += 1

@@ -130,6 +130,9 @@ class Request:
     # that adapter as it was served when the request came (a LoraAdapter; None: the base model): a
     # reload that gives the name other weights, or takes it away, leaves the request on these
     lora: object | None = None
+    # explicit prompt cache mode (params.cache_private): the keys of the blocks its finished samples
+    # wrote as its own, dropped from the cache as its last sample finishes (Engine._finish)
+    own_keys: list = field(default_factory=list, repr=False)
     # the prompt's token ids, each once, as a tensor on the device of the logits that read them (the
     # repetition penalty's, logits.adjust_logits): made at the first draw, not at every step
     prompt_vocab: torch.Tensor | None = field(default=None, repr=False, compare=False)
