@@ -71,9 +71,15 @@ def stranded_reason(pin: Pin, space: str, adapter_ids: Collection[str]) -> str |
     model revision, tokenizer, cache format, scales or block size since changed), "adapter"
     where under LoRA weights not served; None where it can be reached, or where kvd does not
     know where it was made."""
-    if pin.space is not None and pin.space != space:
+    return unreachable_origin(pin.space, pin.adapter_id, space, adapter_ids)
+
+
+def unreachable_origin(made_in: str | None, adapter_id: str | None, space: str,
+                       adapter_ids: Collection[str]) -> str | None:
+    """`stranded_reason` of keys made in block space `made_in` under LoRA weights `adapter_id`."""
+    if made_in is not None and made_in != space:
         return "space"
-    if pin.adapter_id and pin.adapter_id not in adapter_ids:
+    if adapter_id and adapter_id not in adapter_ids:
         return "adapter"
     return None
 

@@ -6,6 +6,9 @@ and a client that asked for 12 hours would find its prefix gone after an upgrade
 writes the holds still running to `breakpoint_holds.json` in the state directory (mode 0600,
 written aside and renamed over: whole or not at all) and the next start reads them back, after
 the operator's pins (theirs come first), each for what is left of its time, and deletes the file.
+A hold whose keys no request can reach any more (made in a block space, or under LoRA weights, that
+kvd no longer serves: a new model revision, cache format or block size) is not held again: it
+would take its tenant's pin budget and room for up to 12 hours and keep nothing.
 A hold re-pins its blocks as requests fill them again (or a disk or Redis tier gives them back:
 tier_ops.warm_pins). The file holds tenants and block keys (SHA-256 digests), never a prompt's
 text or token ids. Holds made after the last stop are lost to a crash, as their blocks may be.
@@ -16,10 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from kvctl.daemon.cache import PinBudgetExceeded, PinLeavesNoRoom
-from kvctl.daemon.cache.pins import Pin
+from kvctl.daemon.cache.pins import Pin, unreachable_origin
 from kvctl.daemon.whole_file import write_whole
 
 from .durations import clock_reading, unix_time
@@ -49,14 +53,16 @@ def save_holds(pins: list[Pin], clock: float, state_dir: str | Path) -> int:
     return len(holds)
 
 
-def restore_holds(cache, clock: float, state_dir: str | Path) -> dict[str, int]:
+def restore_holds(cache, clock: float, state_dir: str | Path,
+                  served: tuple[str, Collection[str]] | None = None) -> dict[str, int]:
     """Holds each one the file names again in `cache` (KVCacheManager; `clock`: its clock's reading
     now), for what is left of its time, and removes the file:
-    {"held", "lapsed" (its time ran out while kvd was down), "refused" (past its tenant's pin budget
-    or the room pins may take now, or a line that is no hold)}. A file that cannot be read is left
-    with a warning."""
+    {"held", "lapsed" (its time ran out while kvd was down), "stranded" (made where no request
+    reaches it now: `served`, the block space and the LoRA adapters' ids kvd serves, as
+    pins.stranded_reason reads them), "refused" (past its tenant's pin budget or the room pins may
+    take now, or a line that is no hold)}. A file that cannot be read is left with a warning."""
     path = Path(state_dir) / FILE_NAME
-    counts = {"held": 0, "lapsed": 0, "refused": 0}
+    counts = {"held": 0, "lapsed": 0, "stranded": 0, "refused": 0}
     if not path.exists():
         return counts
     try:
@@ -74,6 +80,9 @@ def restore_holds(cache, clock: float, state_dir: str | Path) -> dict[str, int]:
             left = hold["expires_at"] - now
             if left <= 0:
                 counts["lapsed"] += 1
+                continue
+            if served is not None and unreachable_origin(hold["space"], hold["adapter_id"], *served):
+                counts["stranded"] += 1
                 continue
             keys = [bytes.fromhex(key) for key in hold["keys"]]
             cache.hold(hold["tenant"], keys, left, space=hold.get("space"), adapter_id=hold.get("adapter_id"),

@@ -216,7 +216,7 @@ def list_pins(service, with_keys: bool = False, tenant: str | None = None) -> li
     it was made under (`model`: its name served now; None where not served or not known) and, where
     no request can reach it any more, why (`stranded`: stranded_reason)."""
     engine = service.require_ready()
-    space, names = _served(service)
+    space, names = served_origin(service)
     with service.engine_lock():  # what only the lock makes consistent; the rows and the keys' hex after it
         now = engine.clock()
         listed = [(p.describe(), engine.cache.lookup(p.keys), p.keys, stranded_reason(p, space, names))
@@ -295,7 +295,7 @@ def _row(pin, reason: str | None) -> dict:
 
 def _with_reasons(service) -> list[tuple]:
     """(pin, why no request reaches it, or None) for each pin (stranded_reason)."""
-    served_space, names = _served(service)
+    served_space, names = served_origin(service)
     with service.lock:
         return [(p, stranded_reason(p, served_space, names)) for p in service.engine.cache.pins.all()]
 
@@ -305,7 +305,7 @@ def _stranded(service) -> list[tuple]:
     return [(p, reason) for p, reason in _with_reasons(service) if reason is not None]
 
 
-def _served(service) -> tuple[str, dict[str, str]]:
+def served_origin(service) -> tuple[str, dict[str, str]]:
     """The block space served (hex; also while kvd starts, before it answers ready) and the model
     and adapters served by their ids (served_names): what a pin must have been made under."""
     return service.engine.block_space(), served_names(service)

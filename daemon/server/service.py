@@ -355,13 +355,16 @@ class EngineService:
         with self.lock:
             self.loaded, self.engine, self.chat_template = loaded, engine, chat_template
             lapsed = pin_ops.restore_pins(self)
-            held = restore_holds(engine.cache, engine.clock(), cfg.state_dir)  # (after the operator's pins)
+            held = restore_holds(engine.cache, engine.clock(), cfg.state_dir,  # (after the operator's pins)
+                                 pin_ops.served_origin(self))
             pin_ops.warn_no_room(engine)
             pin_ops.warn_stranded(pin_ops.stranded_pins(self), "pins restored from the store")
         timer.mark("pins")
         if any(held.values()):
             log.info("requests' prompt cache breakpoint holds from before the restart: %d held again, %d lapsed "
-                     "meanwhile, %d not (past the pin budget or room)", held["held"], held["lapsed"], held["refused"])
+                     "meanwhile, %d made where no request reaches them now (another model revision, cache format, "
+                     "block size or LoRA weights), %d not (past the pin budget or room)", held["held"],
+                     held["lapsed"], held["stranded"], held["refused"])
         if not self._reply_ids_read and self._cache_outlives_kvd():
             self._reply_ids_read = True
             restored = load_reply_ids(self.reply_ids, cfg.state_dir, loaded.tokenizer.digest)
