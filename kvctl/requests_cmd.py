@@ -272,9 +272,11 @@ def render_tenants(d: dict, top: int = 0) -> Group:
                       + "; pins: pinned blocks against the pin budget; TTFT ms: p50/p95 of its latest requests"
                       + ("; figures of 100,000 or more are rounded (123k, 1.23M; --json has them whole)"
                          if table.rounded else "")))
-    for key, lead in (("evicted_blocks", "evicted to make room"),
-                      ("retained_blocks", "written to disk and Redis for prompt_cache_retention 24h")):
-        line = _most_line(rows, key, lead)
+    for key, lead, unit in (("evicted_blocks", "evicted to make room", "blocks"),
+                            ("retained_blocks", "written to disk and Redis for prompt_cache_retention 24h", "blocks"),
+                            ("explicit_requests", "served in explicit prompt cache mode (their hits stop at their "
+                                                  "marked breakpoints)", "requests")):
+        line = _most_line(rows, key, lead, unit=unit)
         if line:
             parts.append(Text(line))
     for tier, name in (("disk", "disk"), ("remote", "Redis")):
@@ -286,16 +288,16 @@ def render_tenants(d: dict, top: int = 0) -> Group:
     return Group(*parts)
 
 
-def _most_line(rows: list[dict], key: str, lead: str, most: int = 5) -> str | None:
-    """`evicted to make room: globex 1,200 blocks, acme 3`: the tenants with the most blocks of `key`
+def _most_line(rows: list[dict], key: str, lead: str, most: int = 5, unit: str = "blocks") -> str | None:
+    """`evicted to make room: globex 1,200 blocks, acme 3`: the tenants with the most `unit` of `key`
     (evicted_blocks: whose cached blocks paid for the others' requests; retained_blocks: whose
-    "24h" prompt_cache_retention wrote to disk), the most first (none when no tenant has any; an
-    older kvd does not say)."""
+    "24h" prompt_cache_retention wrote to disk; explicit_requests: whose hits stop at their marks),
+    the most first (none when no tenant has any; an older kvd does not say)."""
     counted = sorted(((row.get(key) or 0, row["tenant"]) for row in rows if row.get(key)),
                      key=lambda item: (-item[0], item[1]))
     if not counted:
         return None
-    shown = [f"{tenant} {n:,}" + (" blocks" if i == 0 else "") for i, (n, tenant) in enumerate(counted[:most])]
+    shown = [f"{tenant} {n:,}" + (f" {unit}" if i == 0 else "") for i, (n, tenant) in enumerate(counted[:most])]
     return f"{lead}: " + ", ".join(shown) + (f", and {len(counted) - most} more" if len(counted) > most else "")
 
 

@@ -267,6 +267,19 @@ def test_a_tenant_the_operator_serves_in_explicit_mode_leaves_nothing_cached_and
         changed = service.reload_from_source("test")  # live: acme is served as it asks from now on
         assert "prompt_cache_explicit_tenants" in str(changed)
         assert service.explicit_requests == {"asked": 0, "tenant": 6}  # acme's six: its tenant's, whatever it asked
+        rows = {row["tenant"]: row for row in call(tcp, "GET", "/admin/tenants", headers={
+            "Authorization": f"Bearer {ADMIN_TOKEN}"}).json()["tenants"]}
+        assert {tenant: row["explicit_requests"] for tenant, row in rows.items()} == {"acme": 6, "ops": 0}
+        assert 'kvd_tenant_explicit_requests_total{tenant="acme"} 6.0' in call(
+            tcp, "GET", "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).text.splitlines()
+        from rich.console import Console
+
+        from kvctl.requests_cmd import render_tenants
+
+        shown = Console(width=200, record=True)
+        shown.print(render_tenants({"tenants": list(rows.values()), "blocks": 256}))
+        assert ("served in explicit prompt cache mode (their hits stop at their marked breakpoints): acme 6 requests"
+                in shown.export_text().splitlines())
         held = held_tokens(service, SYSTEM)  # (acme's marked prefix, held from before)
         assert cached_for(USER_TOKEN, unmarked) == held and cached_for(USER_TOKEN, unmarked) > held
     finally:

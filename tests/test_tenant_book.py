@@ -18,12 +18,12 @@ def test_the_least_recently_active_tenant_is_retired_and_its_counters_summed():
     book.row("b")[PROMPT] += 20
     book.row("a")[HIT] += 3  # a is now the most recent
     book.row("c")[REJECTED] += 1  # b goes
-    assert book.items() == [("a", [10, 3, 0, 0, 0, 0]), ("c", [0, 0, 0, 1, 0, 0])]
-    assert (book.retired, book.retired_tenants) == ([20, 0, 0, 0, 0, 0], 1)
+    assert book.items() == [("a", [10, 3, 0, 0, 0, 0, 0]), ("c", [0, 0, 0, 1, 0, 0, 0])]
+    assert (book.retired, book.retired_tenants) == ([20, 0, 0, 0, 0, 0, 0], 1)
     book.row("b")[PROMPT] += 5  # b comes back with a row of its own; a goes
-    assert book.items() == [("c", [0, 0, 0, 1, 0, 0]), ("b", [5, 0, 0, 0, 0, 0])]
-    assert (book.retired, book.retired_tenants) == ([30, 3, 0, 0, 0, 0], 2)
-    assert book.totals() == [35, 3, 0, 1, 0, 0]
+    assert book.items() == [("c", [0, 0, 0, 1, 0, 0, 0]), ("b", [5, 0, 0, 0, 0, 0, 0])]
+    assert (book.retired, book.retired_tenants) == ([30, 3, 0, 0, 0, 0, 0], 2)
+    assert book.totals() == [35, 3, 0, 1, 0, 0, 0]
 
 
 def test_evictions_count_for_their_tenant_without_making_it_active():
@@ -34,10 +34,10 @@ def test_evictions_count_for_their_tenant_without_making_it_active():
     book.row("b")[PROMPT] += 1
     book.add_quietly("a", EVICTED, 4)
     book.add_quietly("gone", EVICTED, 2)
-    assert book.items() == [("a", [1, 0, 0, 0, 4, 0]), ("b", [1, 0, 0, 0, 0, 0])]
-    assert (book.retired, book.retired_tenants) == ([0, 0, 0, 0, 2, 0], 0)
+    assert book.items() == [("a", [1, 0, 0, 0, 4, 0, 0]), ("b", [1, 0, 0, 0, 0, 0, 0])]
+    assert (book.retired, book.retired_tenants) == ([0, 0, 0, 0, 2, 0, 0], 0)
     book.row("c")  # a is still the least recently active: it goes, with its evictions
-    assert book.retired == [1, 0, 0, 0, 6, 0] and book.totals() == [2, 0, 0, 0, 6, 0]
+    assert book.retired == [1, 0, 0, 0, 6, 0, 0] and book.totals() == [2, 0, 0, 0, 6, 0, 0]
 
 
 def test_a_tenant_with_its_own_metric_series_is_never_retired():
@@ -46,12 +46,12 @@ def test_a_tenant_with_its_own_metric_series_is_never_retired():
         book.row(tenant)[PROMPT] += 1
     # c came: acme was the oldest, passed over (now after c), b went; d came: c went
     assert [t for t, _ in book.items()] == ["acme", "d"]
-    assert (book.retired, book.retired_tenants) == ([2, 0, 0, 0, 0, 0], 2)
+    assert (book.retired, book.retired_tenants) == ([2, 0, 0, 0, 0, 0, 0], 2)
     every = TenantBook(1, keep=lambda tenant: True)  # nobody can go: the book grows past its limit
     every.row("x")
     row = every.row("y")
     row[PROMPT] += 4
-    assert every.items() == [("x", [0, 0, 0, 0, 0, 0]), ("y", [4, 0, 0, 0, 0, 0])] and every.retired_tenants == 0
+    assert every.items() == [("x", [0, 0, 0, 0, 0, 0, 0]), ("y", [4, 0, 0, 0, 0, 0, 0])] and every.retired_tenants == 0
 
 
 def test_the_tenant_being_counted_is_never_the_one_retired():
@@ -59,7 +59,7 @@ def test_the_tenant_being_counted_is_never_the_one_retired():
     book.row("old")
     row = book.row("new")  # over the limit, and the only one that could go is the new one
     row[PROMPT] += 7
-    assert book.items() == [("old", [0, 0, 0, 0, 0, 0]), ("new", [7, 0, 0, 0, 0, 0])]
+    assert book.items() == [("old", [0, 0, 0, 0, 0, 0, 0]), ("new", [7, 0, 0, 0, 0, 0, 0])]
 
 
 def test_a_smaller_limit_retires_at_once_and_a_bad_one_is_refused_by_name():
@@ -67,7 +67,7 @@ def test_a_smaller_limit_retires_at_once_and_a_bad_one_is_refused_by_name():
     for i, tenant in enumerate("abc"):
         book.row(tenant)[PROMPT] += i + 1
     book.resize(1)
-    assert book.items() == [("c", [3, 0, 0, 0, 0, 0])] and book.retired == [3, 0, 0, 0, 0, 0]
+    assert book.items() == [("c", [3, 0, 0, 0, 0, 0, 0])] and book.retired == [3, 0, 0, 0, 0, 0, 0]
     for bad in (0, -1):
         with pytest.raises(ValueError, match=f"max_tracked_tenants: must be >= 1, got {bad}"):
             TenantBook(bad)
@@ -106,8 +106,8 @@ def test_kvd_lists_the_latest_tenants_sums_the_others_and_its_metrics_only_grow(
         answer = call(app, "GET", "/admin/tenants").json()
         assert [(row["tenant"], row["prompt_tokens"]) for row in answer["tenants"]] == [("acme", 10), ("hooli", 8)]
         assert answer["retired"] == {"tenants": 2, "prompt_tokens": 13, "hit_tokens": 0, "recomputed_tokens": 0,
-                                     "rejected": 0, "evicted_blocks": 0, "retained_blocks": 0, "tracked": 2,
-                                     "limit": 2}
+                                     "rejected": 0, "evicted_blocks": 0, "retained_blocks": 0, "explicit_requests": 0,
+                                     "tracked": 2, "limit": 2}
         assert service.status()["tokens"]["prompt"] == 10 + 8 + 13
         assert prompt_series() == {"acme": 10.0, "*": 21.0}  # "*" holds hooli and the retired: it only grew
         assert set(service.metrics.tenant_summary()) == {"acme", "hooli"}  # TTFT windows: the latest two
@@ -150,8 +150,8 @@ def test_kvd_router_sums_each_replica_s_retired_tenants():
 
     def retired(tenants, prompt, limit):
         return {"tenants": tenants, "prompt_tokens": prompt, "hit_tokens": prompt // 2, "recomputed_tokens": 1,
-                "rejected": 0, "evicted_blocks": 2 * tenants, "retained_blocks": tenants, "tracked": limit,
-                "limit": limit}
+                "rejected": 0, "evicted_blocks": 2 * tenants, "retained_blocks": tenants, "explicit_requests": 0,
+                "tracked": limit, "limit": limit}
 
     status, merged = merge_tenant_lists(["r0", "r1", "r2"], [
         (200, {"tenants": [], "blocks": 8, "retired": retired(3, 100, 10)}),
@@ -160,7 +160,8 @@ def test_kvd_router_sums_each_replica_s_retired_tenants():
     ])
     assert status == 200
     assert merged["retired"] == {"tenants": 8, "prompt_tokens": 140, "hit_tokens": 70, "recomputed_tokens": 2,
-                                 "rejected": 0, "evicted_blocks": 16, "retained_blocks": 8, "tracked": 14, "limit": 4}
+                                 "rejected": 0, "evicted_blocks": 16, "retained_blocks": 8, "explicit_requests": 0,
+                                 "tracked": 14, "limit": 4}
     _, none_retired = merge_tenant_lists(["r0"], [(200, {"tenants": [], "blocks": 8})])
     assert "retired" not in none_retired
 
@@ -228,10 +229,10 @@ def test_one_tenant_s_counters_are_copied_alone_and_leave_its_place_as_it_was():
     book.row("acme")[PROMPT] += 10
     book.row("globex")[HIT] += 4
     copied = book.items("acme")
-    assert copied == [("acme", [10, 0, 0, 0, 0, 0])] and book.items("initech") == []
+    assert copied == [("acme", [10, 0, 0, 0, 0, 0, 0])] and book.items("initech") == []
     copied[0][1][PROMPT] = 99  # a copy: the book's own counters are not touched
     # acme still the least recent
-    assert book.items() == [("acme", [10, 0, 0, 0, 0, 0]), ("globex", [0, 4, 0, 0, 0, 0])]
+    assert book.items() == [("acme", [10, 0, 0, 0, 0, 0, 0]), ("globex", [0, 4, 0, 0, 0, 0, 0])]
     named = book.names()  # the tenants with a row, a copy (what a one-tenant answer counts as listed)
     named.add("initech")
     assert book.names() == {"acme", "globex"}

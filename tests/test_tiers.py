@@ -1853,6 +1853,7 @@ def test_a_tenant_s_own_prompt_cache_retention_decides_whether_its_24h_is_writte
 
     from rich.console import Console
 
+    from kvctl.daemon.engine.tenant_book import RETAINED
     from kvctl.daemon.server.app import create_app
     from kvctl.requests_cmd import render_tenants
 
@@ -1888,6 +1889,6 @@ def test_a_tenant_s_own_prompt_cache_retention_decides_whether_its_24h_is_writte
         service.reload(replace(service.config, tenant_prompt_cache_retention=(("agents", "ignore"),)), actor="test")
         chat("agents", "the remote tier")
         assert len(disk.index) == written
-        assert service.engine.stats.tenants.totals()[-1] == written  # (RETAINED, kvd's every tenant)
+        assert service.engine.stats.tenants.totals()[RETAINED] == written  # (kvd's every tenant)
     finally:
         service.shutdown(deadline=2)

@@ -60,7 +60,8 @@ from .sampling import ContextLengthExceeded, Draw, RequestError, SamplingParams,
 from .speculative import Speculator
 from .structured import GrammarVocabulary
 
-from .tenant_book import DEFAULT_LIMIT, EVICTED, HIT, PROMPT, RECOMPUTED, REJECTED, RETAINED, TenantBook
+from .tenant_book import (DEFAULT_LIMIT, EVICTED, EXPLICIT, HIT, PROMPT, RECOMPUTED, REJECTED, RETAINED,
+                          TenantBook)
 
 LOOK = object()  # _mask_to_grammars: a row whose mask its grammar gives now (not one made ahead)
 QUEUE_TIMEOUT_LOG_S = 10.0  # the log says how many requests timed out in the queue at most this often
@@ -1044,6 +1045,7 @@ class Engine:
                 self.stats.restored_tokens += restored
                 by_tenant[PROMPT] += len(tokens)
                 by_tenant[HIT] += admission.hit_tokens
+                by_tenant[EXPLICIT] += request.params.cache_private is not None  # (why its hits stop at its marks)
             else:
                 recomputed = max(0, min(seq.ever_computed, len(tokens)) - admission.hit_tokens)
                 request.metrics.recomputed_tokens += recomputed

@@ -3,7 +3,7 @@
 Behind the Unix socket or a trusted proxy, `X-KVD-Tenant` names the tenant, and a gateway that
 keeps each end user's prefixes apart sends as many tenants as it has users. Each tenant's counters
 (prompt tokens, hits, recomputed tokens, requests turned away, cached blocks evicted, blocks written
-down for a "24h" prompt_cache_retention) are kept for
+down for a "24h" prompt_cache_retention, requests served in explicit prompt cache mode) are kept for
 the `limit` tenants active most recently. When one more arrives, the least recently active tenant
 is retired: its counters are added to `retired`, so the totals over every tenant stay exact, and a
 tenant that comes back starts a row of its own again.
@@ -21,9 +21,11 @@ from collections import OrderedDict
 from typing import Callable
 
 # evicted_blocks: its cached blocks the pool evicted to make room (for anyone's request);
-# retained_blocks: blocks its requests' prompt_cache_retention "24h" wrote to disk and Redis
-FIELDS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected", "evicted_blocks", "retained_blocks")
-PROMPT, HIT, RECOMPUTED, REJECTED, EVICTED, RETAINED = range(len(FIELDS))
+# retained_blocks: blocks its requests' prompt_cache_retention "24h" wrote to disk and Redis;
+# explicit_requests: its requests served in explicit prompt cache mode (cached up to their marks alone)
+FIELDS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected", "evicted_blocks", "retained_blocks",
+          "explicit_requests")
+PROMPT, HIT, RECOMPUTED, REJECTED, EVICTED, RETAINED, EXPLICIT = range(len(FIELDS))
 DEFAULT_LIMIT = 10_000  # max_tracked_tenants when nothing sets it
 
 

@@ -307,11 +307,11 @@ def merge_audit_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[
 
 
 TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "waiting", "rejected",
-               "cached_blocks", "evicted_blocks", "retained_blocks", "pinned_blocks")
+               "cached_blocks", "evicted_blocks", "retained_blocks", "explicit_requests", "pinned_blocks")
 
 
 RETIRED_SUMS = ("tenants", "prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected", "evicted_blocks",
-                "retained_blocks", "tracked")
+                "retained_blocks", "explicit_requests", "tracked")
 LOWER_TIER_FIGURES = ("disk_bytes", "disk_share_bytes", "remote_bytes", "remote_share_bytes")  # per tenant
 
 

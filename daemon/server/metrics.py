@@ -27,6 +27,7 @@
     kvd_tenant_rejected_requests_total{tenant} requests turned away per tenant, any reason (tenant_queue_waits,
                                               tenant_request_limits and priorities decide whose)
     kvd_tenant_retained_blocks_total{tenant}  blocks a tenant's prompt_cache_retention 24h wrote down
+    kvd_tenant_explicit_requests_total{tenant}  a tenant's requests served in explicit prompt cache mode
     kvd_tenant_ttft_seconds{tenant}           histogram: time to first token per tenant (client requests)
     kvd_tenant_idle_blocks{tenant}            with tenant_cache_shares: idle cached blocks per tenant
     kvd_tenant_share_blocks{tenant}           and each tenant's share in blocks
@@ -130,7 +131,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from kvctl.daemon.engine.tenant_book import EVICTED, HIT, PROMPT, REJECTED, RETAINED
+from kvctl.daemon.engine.tenant_book import EVICTED, EXPLICIT, HIT, PROMPT, REJECTED, RETAINED
 from kvctl.daemon.software import software_versions
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
@@ -434,6 +435,8 @@ class _EngineCollector:
                          "(kvd_admission_rejections_total says which)", REJECTED)
         yield per_tenant("kvd_tenant_retained_blocks", "Blocks a tenant's requests asking prompt_cache_retention "
                          "24h wrote to disk and Redis", RETAINED)
+        yield per_tenant("kvd_tenant_explicit_requests", "Requests served in explicit prompt cache mode (cached up "
+                         "to their marked breakpoints alone), per tenant", EXPLICIT)
         cached = GaugeMetricFamily("kvd_tenant_cached_blocks", "Device blocks holding a tenant's cached prefixes "
                                    "(in use or idle)", labels=["tenant"])
         for label, count in labels.fold(cached_by_tenant):

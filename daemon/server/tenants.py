@@ -6,7 +6,8 @@ totals of `kvctl status`, split by tenant); its requests in flight, and those tu
 queue, its limit of requests in flight, a request that can never fit); the device blocks holding its
 cached prefixes (in use or idle), and how many of its cached blocks were evicted to make room (whose
 blocks pay for the others' requests: what tenant shares and `eviction: priority` change), and how
-many blocks its requests asking prompt_cache_retention "24h" wrote to disk and Redis; with
+many blocks its requests asking prompt_cache_retention "24h" wrote to disk and Redis, and how many
+of its requests were served in explicit prompt cache mode (whose hits stop at their marks); with
 tenant cache shares, its idle blocks against its share; with a host tier, the host slots holding
 its blocks (against its share there, with shares); with a disk or Redis tier, the bytes its blocks
 take there (this daemon's writes, for Redis) against its share; its pinned blocks against its pin
@@ -74,14 +75,14 @@ def list_tenants(service: EngineService, only: str | None = None) -> dict:
     unseen = hit_curve.no_prompts(block_size) if curve is not None and names - set(curves) else None
     rows = []
     for tenant in sorted(names):
-        prompt, hit, recomputed, rejected, evicted, retained = counted.get(tenant, (0,) * len(FIELDS))
+        prompt, hit, recomputed, rejected, evicted, retained, explicit = counted.get(tenant, (0,) * len(FIELDS))
         share = (shares or {}).get(tenant)
         rows.append({"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit,
                      "hit_ratio": hit / prompt if prompt else 0.0, "recomputed_tokens": recomputed,
                      "running": flight[(tenant, "running")], "waiting": flight[(tenant, "waiting")],
                      "rejected": rejected,
                      "cached_blocks": indexed.get(tenant, 0), "evicted_blocks": evicted,
-                     "retained_blocks": retained,
+                     "retained_blocks": retained, "explicit_requests": explicit,
                      "idle_blocks": None if share is None else share["idle_blocks"],
                      "share_blocks": None if share is None else share["share_blocks"],
                      "pinned_blocks": pinned.get(tenant, 0),
