@@ -413,3 +413,45 @@ def test_kvctl_explain_sends_a_request_s_cache_options_and_says_it_is_in_explici
 
     with pytest.raises(UserError, match=r"^prompt-cache-mode: must be implicit or explicit, got 'own'$"):
         kvctl_on(unix, ["explain", SYSTEM, "--prompt-cache-mode", "own"])
+
+
+def test_no_tier_takes_a_request_s_own_block_evicted_while_it_waits_nor_one_written_through(tmp_path):
+    """A request's own blocks are idle and cached while it waits after a preemption, or while its
+    last sample runs: evicted for room then, they go nowhere (the others are kept as always), and
+    a write-through skips them too."""
+    torch = pytest.importorskip("torch")
+    from kvctl.daemon.cache import KVCacheManager
+    from kvctl.daemon.cache.tiers import BlockLayout, DiskTier, HostTier, TieredCache
+    from kvctl.daemon.model.llama import LayerCache
+    from kvctl.policies.tiering import TieringPolicy
+
+    size, layout, space = 4, BlockLayout((torch.float16,), 4, 1, 4, ""), b"s" * 32
+    namespace = Namespace(block_size=size)
+    manager = KVCacheManager(6, size)
+    caches = [LayerCache(torch.zeros(6, size, 1, 4, dtype=torch.float16),
+                         torch.zeros(6, size, 1, 4, dtype=torch.float16))]
+    tiers = TieredCache(caches, layout, space, host=HostTier(8 * layout.block_bytes, layout),
+                        policy=TieringPolicy(mode="always"))
+    manager.pool.on_evict = lambda victims: tiers.on_device_evict(victims, lambda root: 0)
+    prompt = list(range(200, 212))  # three blocks: the first everyone's, the two after the request's own
+    hasher = PrefixHasher(namespace, private=(1, b"request-own-nonce"))
+    keys = hasher.feed(prompt)
+    manager.admit("explicit", keys, len(prompt), 0, hasher=hasher)
+    manager.append("explicit", len(prompt))
+    assert [manager.pool.blocks[b].own for b in manager.block_table("explicit")] == [False, True, True]
+    manager.release("explicit")  # (preempted: idle, still cached, for its own recompute)
+    other = list(range(300, 324))  # six blocks: every cached one is evicted for it
+    manager.admit("other", chain_keys(namespace, other), len(other), 0)
+    assert set(tiers.host.index) == {keys[0]}  # the everyone's block kept below; the request's own, nowhere
+    manager.append("other", len(other))
+    manager.release("other")
+    assert not any(block.own for block in manager.pool.blocks)  # (a block indexed again is no one's own)
+    manager.audit()
+
+    disk_tiers = TieredCache(caches, layout, space, disk=DiskTier(tmp_path, 64 * layout.payload_bytes, layout, space),
+                             write_policy="write_through", policy=TieringPolicy(mode="always"))
+    manager.admit("again", keys, len(prompt), 0, hasher=hasher)
+    manager.append("again", len(prompt))
+    disk_tiers.write_through([manager.pool.blocks[b] for b in manager.block_table("again")])
+    assert disk_tiers.flush(10) and set(disk_tiers.disk.index) == {keys[0]}
+    disk_tiers.close()

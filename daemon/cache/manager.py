@@ -449,7 +449,9 @@ class KVCacheManager:
         keys = seq.keys
         first_full, last_full = old_tokens // size, min(new_tokens // size, len(keys))
         if last_full > first_full:
-            pool.insert_many(table, keys, first_full, last_full, now, seq.tenant, seq.priority)
+            private = seq.hasher.private if seq.hasher is not None else None
+            pool.insert_many(table, keys, first_full, last_full, now, seq.tenant, seq.priority,
+                             own_from=private[0] if private is not None else None)
         return copies
 
     def _growth(self, seq: SequenceState, num_tokens: int) -> tuple[int, bool, int]:

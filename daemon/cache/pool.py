@@ -44,6 +44,9 @@ class Block:
     tenant: str | None = None  # whose namespace its key was hashed under, while indexed
     hits: int = 0  # prefix hits that reused it since it was indexed
     last_use: float = 0.0  # clock reading of its indexing or latest acquire
+    # indexed under a key of one request's own (explicit prompt cache mode: PrefixHasher's `private`):
+    # no other request can read it, and no lower tier may hold it (a prompt its client would not leave)
+    own: bool = False
 
 
 class BlockPool:
@@ -247,9 +250,10 @@ class BlockPool:
 
     # ---- the prefix index ------------------------------------------------------------------
     def insert_many(self, table: Sequence[int], keys: Sequence[BlockKey], start: int, stop: int,
-                    now: float, tenant: str | None = None, priority: int = 0) -> int:
+                    now: float, tenant: str | None = None, priority: int = 0, own_from: int | None = None) -> int:
         """Index `table[i]` under `keys[i]` for start <= i < stop (blocks that just became full),
-        written by a request of `priority` (the engine's).
+        written by a request of `priority` (the engine's); those from `own_from` on are keyed as the
+        request's own (Block.own).
 
         A key another block already holds is skipped (that block stays unindexed
         and is freed on release). Returns how many blocks were indexed.
@@ -269,6 +273,7 @@ class BlockPool:
             block.root = keys[0]
             block.parent = keys[position - 1] if position else None
             block.tenant = tenant
+            block.own = own_from is not None and position >= own_from
             self.tenant_blocks[tenant] += 1
             block.hits = 0
             block.last_use = now

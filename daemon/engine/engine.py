@@ -876,11 +876,9 @@ class Engine:
         """Newly full blocks (write_through), or blocks on their first reuse (write_through_selective),
         go to the persistent tiers."""
         pool = self.cache.pool
-        own = None
         for pending in (pool.inserted, pool.reused):
-            if pending:
-                own = self._own_blocks() if own is None else own
-                self.tiers.write_through([pool.blocks[b] for b in pending if b not in own])
+            if pending:  # (a request's own blocks go nowhere: TieredCache skips them)
+                self.tiers.write_through([pool.blocks[b] for b in pending])
                 pending.clear()
 
     def _own_keys(self, seq: Sequence, start: int) -> list[bytes]:
@@ -893,25 +891,13 @@ class Engine:
                     if b >= 0 and pool.blocks[b].key is not None]
         return self._prefix_keys(seq)[0][start:] if seq.ever_computed else []
 
-    def _own_blocks(self) -> set[int]:
-        """The blocks the running requests hash as their own (explicit prompt cache mode:
-        SamplingParams.cache_private): no lower tier gets them, where no request could read them either."""
-        own: set[int] = set()
-        for seq in self._running.values():
-            private = seq.request.params.cache_private
-            if private is not None:
-                own.update(self.cache.block_table(seq.seq_id)[private[0]:])
-        return own
-
     def _retain(self, seq: Sequence) -> None:
         """A request that asked for `prompt_cache_retention: "24h"`: every indexed block the sequence
         holds as it finishes (its prompt's and its reply's: a conversation's next turn begins with
         both) goes to the persistent tiers, whatever the write policy (TieredCache.retain); what was
         written is counted for its tenant."""
-        pool = self.cache.pool
-        private = seq.request.params.cache_private  # (its own blocks: not kept, whatever it asks)
-        table = self.cache.block_table(seq.seq_id)[:private[0] if private is not None else None]
-        blocks = [pool.blocks[b] for b in table if b >= 0]
+        pool = self.cache.pool  # (its own blocks are not kept, whatever it asks: TieredCache skips them)
+        blocks = [pool.blocks[b] for b in self.cache.block_table(seq.seq_id) if b >= 0]
         written = self.tiers.retain([b for b in blocks if b.key is not None])
         if written:  # (whose requests write to disk: kvctl tenants)
             self.stats.tenants.add_quietly(seq.request.tenant, RETAINED, written)

@@ -166,10 +166,14 @@ def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
         wanted = set(keys)
         with service.lock:  # the blocks and their contents in one hold: a step may reuse a block after it
             device = sorted((b for b in engine.cache.pool.blocks if b.key in wanted), key=lambda b: b.depth)
+            own = sum(b.own for b in device)  # a running request's own blocks (explicit prompt cache mode): no tier's
+            device = [b for b in device if not b.own]
             device_metas = [BlockMeta.of(b) for b in device]
             device_layers = tiers.gather([b.block_id for b in device]) if device else None
         lower = {k: m for k, (m, _) in tiers.known_metas().items() if k in wanted}
         body = _to_lower(service, engine, tiers, to, copy, device_metas, device_layers, lower)
+        if own:
+            body["kept_on_device"]["private"] = own
     body.update({"prefix_id": prefix_id, "to": to, "copy": copy, "seconds": time.perf_counter() - started})
     with service.lock:
         engine.cache.audit()
@@ -307,7 +311,8 @@ def save_on_shutdown(service, deadline: float) -> dict:
     with _held_until(service, deadline) as had:
         if had:
             hits = {root: info.hits for root, info in engine.cache.roots.items()}
-            keep = sorted((b for b in engine.cache.pool.blocks if b.key is not None and b.key not in tiers.disk.index),
+            keep = sorted((b for b in engine.cache.pool.blocks  # (a request's own blocks: no tier's)
+                           if b.key is not None and not b.own and b.key not in tiers.disk.index),
                           key=lambda b: (-hits.get(b.root, 0), b.depth))
     if not had:
         log.warning("the device's cached blocks are not saved to disk: the engine held its lock past the stop's "

@@ -237,10 +237,12 @@ class TieredCache:
         return [(select_rows(c.k, index).cpu(), select_rows(c.v, index).cpu()) for c in self.kv_caches]
 
     def on_device_evict(self, victims: list, prefix_hits: Callable[[bytes], int]) -> None:
-        """The pool is about to reuse these indexed blocks: keep the ones worth keeping."""
+        """The pool is about to reuse these indexed blocks: keep the ones worth keeping (never a
+        request's own: Block.own)."""
         size, nbytes = self.layout.block_size, self.layout.block_bytes
         target = self._first_lower()
-        if target is None:
+        victims = [b for b in victims if not b.own]
+        if target is None or not victims:
             return
         write = self.stats[target].write
         keep = [b for b in victims if self.policy.worth_keeping(prefix_hits(b.root), size, nbytes, write)]
@@ -278,7 +280,7 @@ class TieredCache:
         targets = [t.name for t in (self.disk, self.remote) if t is not None]
         if not targets or not blocks:
             return 0
-        blocks = [b for b in blocks if b.key is not None and not self._held_below(b.key)]
+        blocks = [b for b in blocks if b.key is not None and not b.own and not self._held_below(b.key)]
         if blocks:
             self._write_down([BlockMeta.of(b) for b in blocks],
                              self.gather([b.block_id for b in blocks]), src="device", targets=targets)
