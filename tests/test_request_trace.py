@@ -357,3 +357,29 @@ def test_a_request_s_own_priority_is_traced_for_a_replay_of_its_queue(tmp_path):
         assert [_held(line, "replica-0").max_tokens for line in keyed] == [1, 1]
     finally:
         service.shutdown(deadline=2)
+
+
+def test_a_request_in_explicit_prompt_cache_mode_chains_its_own_ids_past_its_marked_prefix():
+    """As its cache blocks past the marked prefix were its own (PrefixHasher's `private`), so are its
+    trace ids from the first trace block that reaches past it: a replay shares no more than kvd did."""
+    from kvctl.daemon.server.request_trace import sequence_block_ids
+
+    prompt, reply = list(range(1_100)), [7] * 600
+    plain = sequence_block_ids(KEY, "default", prompt, reply)
+    mine = sequence_block_ids(KEY, "default", prompt, reply, own=(512, b"nonce-a"))
+    theirs = sequence_block_ids(KEY, "default", prompt, reply, own=(512, b"nonce-b"))
+    assert [len(ids) for ids in plain] == [len(ids) for ids in mine] == [3, 1]
+    assert mine[0][0] == plain[0][0]  # the first 512 tokens end where the marked prefix does: everyone's
+    own = mine[0][1:] + mine[1]
+    assert not set(own) & set(plain[0] + plain[1]) and not set(own) & set(theirs[0][1:] + theirs[1])
+    assert sequence_block_ids(KEY, "default", prompt, reply, own=(512, b"nonce-a")) == mine  # (its own, again)
+    inside = sequence_block_ids(KEY, "default", prompt, reply, own=(100, b"nonce-a"))  # a mark inside a block:
+    assert not set(inside[0] + inside[1]) & set(plain[0] + plain[1])  # that block is its own already
+
+    trace = RequestTrace(capacity=4, key=KEY)
+    explicit = finished(1.0, prompt, (3,))
+    explicit.params.extra["cache_private"] = (32, b"nonce-a")  # 32 blocks of 16: 512 tokens
+    trace.observe(explicit, cache_block_size=16)
+    trace.observe(finished(2.0, prompt, (3,)), cache_block_size=16)
+    lines = [r.to_object()["hash_ids"] for r in trace.requests()]
+    assert lines == [[0, 1, 2], [0, 3, 4]]  # the marked prefix shared, nothing after it

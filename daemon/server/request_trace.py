@@ -16,7 +16,10 @@ hits the answer's cached blocks there as kvd did.
 
 Never the tokens: a block's id is an HMAC-SHA256 chain under a key, cut to 64 bits; a saved
 trace numbers them again 0, 1, 2, ... in order of first appearance. So a trace cannot be tested
-against a guessed prompt. Tenants start their chains apart, as their cache blocks are.
+against a guessed prompt. Tenants start their chains apart, as their cache blocks are. A request
+served in explicit prompt cache mode mixes its own nonce into its chain from the first trace block
+that reaches past its marked prefix (its cache blocks' own hashing, PrefixHasher's `private`): a
+replay finds no other request's ids there, as kvd found no other request's blocks.
 
 The key is drawn when kvd starts and never shown, so two kvd processes' ids never meet, unless
 the operator gives the replicas of a fleet one `trace_key_file`: then equal prompts get equal ids
@@ -145,24 +148,36 @@ def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int],
 
 
 def sequence_block_ids(key: bytes, tenant: str, prompt: Sequence[int], output: Sequence[int],
-                       block_tokens: int = TRACE_BLOCK_TOKENS, adapter: str = "") -> tuple[tuple[int, ...], ...]:
+                       block_tokens: int = TRACE_BLOCK_TOKENS, adapter: str = "",
+                       own: tuple[int, bytes] | None = None) -> tuple[tuple[int, ...], ...]:
     """(`chained_block_ids` of `prompt`, the ids of the whole blocks of `prompt` and `output` together
     from the block holding the prompt's tail): the chain a later prompt that repeats the output
-    carries. The prompt's tokens are hashed once for both."""
+    carries. The prompt's tokens are hashed once for both. `own`: (the first token the request
+    hashed as its own, its nonce): from the first block that reaches past that token, the chain is
+    the request's alone."""
     seed = tenant.encode("utf-8") + (b"\0lora\0" + adapter.encode("utf-8") if adapter else b"")
     digest = hmac.digest(key, b"kvd-trace/v1\0" + seed, "sha256")
     tokens = memoryview(array("q", [*prompt, *output]).tobytes())
     step, prompt_bytes = block_tokens * 8, len(prompt) * 8
+    own_from = None if own is None else own[0] * 8
+
+    def before(end: int) -> bytes:  # the digest a block ending at byte `end` extends
+        nonlocal digest, own_from
+        if own_from is not None and end > own_from:
+            digest, own_from = hmac.digest(key, digest + b"kvd-trace/own\0" + own[1], "sha256"), None
+        return digest
+
     ids = []
     whole = prompt_bytes - prompt_bytes % step
     for start in range(0, whole, step):
-        digest = hmac.digest(key, digest + tokens[start:start + step], "sha256")
+        digest = hmac.digest(key, before(start + step) + tokens[start:start + step], "sha256")
         ids.append(int.from_bytes(digest[:8], "big"))
     if whole < prompt_bytes:  # the prompt's tail: its last id covers the rest
-        ids.append(int.from_bytes(hmac.digest(key, digest + tokens[whole:prompt_bytes], "sha256")[:8], "big"))
+        tail = hmac.digest(key, before(prompt_bytes) + tokens[whole:prompt_bytes], "sha256")
+        ids.append(int.from_bytes(tail[:8], "big"))
     output_ids = []
     for start in range(whole, len(tokens) - len(tokens) % step, step):
-        digest = hmac.digest(key, digest + tokens[start:start + step], "sha256")
+        digest = hmac.digest(key, before(start + step) + tokens[start:start + step], "sha256")
         output_ids.append(int.from_bytes(digest[:8], "big"))
     return tuple(ids), tuple(output_ids)
 
@@ -188,12 +203,16 @@ class RequestTrace:
         with self._lock:
             self.capacity, self._held = capacity, deque(self._held, maxlen=capacity)
 
-    def observe(self, request) -> None:
+    def observe(self, request, cache_block_size: int | None = None) -> None:
+        """Keep a finished request's line. `cache_block_size`: the cache's, which a request served in
+        explicit prompt cache mode counts the blocks it hashed as its own in (SamplingParams.cache_private)."""
         if self.capacity == 0:  # `trace_requests: 0`: nothing kept, nothing hashed
             return
         output = max((s.output_ids for s in request.sequences), key=len, default=[])  # (the longest sample's)
+        private = request.params.extra.get("cache_private")  # (sampling.CACHE_PRIVATE: it would import torch)
+        own = None if private is None or cache_block_size is None else (private[0] * cache_block_size, private[1])
         ids, output_ids = sequence_block_ids(self._key, request.tenant, request.prompt_ids, output, self.block_tokens,
-                                             request.adapter)
+                                             request.adapter, own)
         record = Held(request.metrics.arrival, len(request.prompt_ids), len(output), ids,
                       request.tenant, served(request.metrics), request.params.extra.get("router"),
                       request.params.extra.get("priority", 0), request.params.max_tokens, output_ids)
