@@ -455,3 +455,16 @@ def test_no_tier_takes_a_request_s_own_block_evicted_while_it_waits_nor_one_writ
     disk_tiers.write_through([manager.pool.blocks[b] for b in manager.block_table("again")])
     assert disk_tiers.flush(10) and set(disk_tiers.disk.index) == {keys[0]}
     disk_tiers.close()
+
+
+def test_the_hit_curve_counts_no_block_of_a_request_s_own_as_one_a_cache_could_serve(kvd):
+    from .test_cache_breakpoints import SYSTEM, held_tokens
+
+    service, unix = kvd
+    curve = service.engine.cache.hit_curve
+    unmarked = ask(SYSTEM, "explicit", marked=False)
+    cached(unix, unmarked)
+    cached(unix, unmarked)
+    assert curve.prompts == 2 and curve.prompt_tokens > 0 and curve.looked_blocks == 0  # none of it any cache's
+    cached(unix, ask(SYSTEM, "explicit"))  # marked: its marked prefix is, as it is kvd's
+    assert curve.looked_blocks == held_tokens(service, SYSTEM) // service.config.block_size

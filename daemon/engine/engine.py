@@ -1026,8 +1026,12 @@ class Engine:
                 self.stats.prompt_tokens += len(tokens)
                 self.stats.hit_tokens += admission.hit_tokens
                 if self.cache.hit_curve is not None:
-                    self.cache.hit_curve.look(keys[:self.cache.cacheable_blocks(len(tokens))] if reuse else (),
-                                              len(tokens), request.tenant, admission.hit_tokens)
+                    shareable = self.cache.cacheable_blocks(len(tokens))
+                    private = request.params.cache_private  # (the blocks it hashes as its own: no cache serves them)
+                    if private is not None:
+                        shareable = min(shareable, private[0])
+                    self.cache.hit_curve.look(keys[:shareable] if reuse else (), len(tokens), request.tenant,
+                                              admission.hit_tokens)
                 self.stats.restored_tokens += restored
                 by_tenant[PROMPT] += len(tokens)
                 by_tenant[HIT] += admission.hit_tokens
