@@ -75,12 +75,12 @@ def chat_messages_file(path: Path, cache_options: bool = False) -> dict:
         loaded = json.loads(raw)
     except ValueError as exc:
         raise UserError(f"messages: {str(path)!r} is not JSON ({exc})") from None
-    extra = {}
-    kept = ("tools", "prompt_cache_options") if cache_options else ("tools",)
+    options = loaded.get("prompt_cache_options") if cache_options and isinstance(loaded, dict) else None
+    extra = {} if options is None else {"prompt_cache_options": options}  # (the request's own prompt cache mode)
     if isinstance(loaded, dict) and "input" in loaded and "messages" not in loaded:
-        return {**responses_chat(loaded, path), **{key: loaded[key] for key in kept[1:] if loaded.get(key) is not None}}
+        return {**responses_chat(loaded, path), **extra}
     if isinstance(loaded, dict) and "messages" in loaded:
-        extra = {key: loaded[key] for key in kept if loaded.get(key) is not None}
+        extra.update({key: loaded[key] for key in ("tools",) if loaded.get(key) is not None})
         kwargs = asked_kwargs(loaded)  # (with the request's reasoning_effort, as kvd renders it)
         if kwargs is not None:
             extra["chat_template_kwargs"] = kwargs

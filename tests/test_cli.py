@@ -1054,6 +1054,15 @@ def test_pin_and_explain_take_chat_messages_from_a_json_file(capsys, monkeypatch
     status, _, err = cli(capsys, "explain", "hello", "--messages", str(listed))
     assert status == 2 and err.strip() == "error: give exactly one of TEXT, --tokens, --file or --messages"
     assert len(posted) == 2
+    explicit = {"mode": "explicit"}  # a request's own prompt cache mode goes to explain alone
+    request.write_text(json.dumps({"messages": system, "prompt_cache_options": explicit}))
+    responses = tmp_path / "responses.json"
+    responses.write_text(json.dumps({"input": "hi", "instructions": "Be brief.", "prompt_cache_options": explicit}))
+    for args in (["explain", "--messages", str(request)], ["pin", "--messages", str(request)],
+                 ["explain", "--messages", str(responses)]):
+        assert cli(capsys, *args)[0] == 0
+    assert [body.get("prompt_cache_options") for _, body in posted[2:]] == [explicit, None, explicit]
+    assert posted[4][1]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("socket", ["/run/kvd/kvd.sock", "/tmp/pytest-of-root/pytest-614/test_a_long_name0/kvd.sock"])

@@ -22,7 +22,8 @@ from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from . import (cache_breakpoints, cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops,
-               health_checks, inflight, lora_ops, pin_ops, prefix_ops, reload_ops, response_admin, rollout_ops, sleep_ops, tier_ops, weights_ops)
+               health_checks, inflight, lora_ops, pin_ops, prefix_ops, reload_ops, response_admin, rollout_ops,
+               sleep_ops, tier_ops, weights_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
                            LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, ReplyIdsRequest, ResponsesPurge,
                            RolloutAdvance, RolloutRollback,

@@ -81,7 +81,7 @@ def restore_holds(cache, clock: float, state_dir: str | Path,
             if left <= 0:
                 counts["lapsed"] += 1
                 continue
-            if served is not None and unreachable_origin(hold["space"], hold["adapter_id"], *served):
+            if served is not None and unreachable_origin(hold.get("space"), hold.get("adapter_id"), *served):
                 counts["stranded"] += 1
                 continue
             keys = [bytes.fromhex(key) for key in hold["keys"]]

@@ -198,7 +198,7 @@ class EngineService:
         trace_key = load_trace_key(config.trace_key_file) if config.trace_key_file else None  # else kvd's own
         self.trace = RequestTrace(config.trace_requests, trace_key, shared=trace_key is not None,  # `kvctl trace save`
                                   block_tokens=config.trace_block_tokens)
-        self.on_finished(lambda request: self.trace.observe(request, self.engine.settings.block_size))
+        self.on_finished(self._trace_request)
         self.request_log = RequestLog(self)  # a line per finished request, and the engine's summary (log_*)
         # what hears of a request turned away at admission (AdmissionRejected), with the limit it met
         self._rejection_observers: list[Callable[[Request, str], None]] = [self.request_log.rejected]
@@ -939,7 +939,7 @@ class EngineService:
                     queued.append(request)
             except Exception as exc:  # AdmissionRejected, RequestError, ...: nothing stays queued
                 if isinstance(exc, AdmissionRejected):  # demand all the same: the trace keeps it
-                    self.trace.observe(exc.request, self.engine.settings.block_size)
+                    self._trace_request(exc.request)
                     for observe in self._rejection_observers:
                         observe(exc.request, exc.kind)
                 for request in queued:
@@ -1041,6 +1041,12 @@ class EngineService:
         """Names the chat template (None: none): a router renders chats itself with the template of
         this digest, which `GET /admin/tokenizer` serves."""
         return None if self.chat_template is None else self.chat_template.digest
+
+    def _trace_request(self, request: Request) -> None:
+        """The request, finished or turned away, on the trace (`kvctl trace save`), its own blocks in
+        explicit prompt cache mode counted in the cache's block size."""
+        engine = self.engine
+        self.trace.observe(request, engine.settings.block_size if engine is not None else None)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,

@@ -207,7 +207,8 @@ def _save_and_release(service, engine, state: Sleep) -> None:
     tiers = service.tiers
     with service.lock:
         hits = {root: info.hits for root, info in engine.cache.roots.items()}
-        cached = [b for b in engine.cache.pool.blocks if b.key is not None and not b.own]  # (a request's own: no tier's)
+        # (a request's own blocks, explicit prompt cache mode: no tier's)
+        cached = [b for b in engine.cache.pool.blocks if b.key is not None and not b.own]
     target = None if tiers is None else next((t.name for t in tiers.tiers()), None)
     if target is not None:
         below = {b.key for b in cached if tiers.location(b.key) != "evicted"}
