@@ -59,6 +59,7 @@ def render_requests(d: dict) -> Group:
             + (f", {seconds(row['queue_wait_left_seconds'])} left" if place is not None
                and row.get("queue_wait_left_seconds") is not None else "") \
             + (f", preempted {row['preemptions']}x" if row["preemptions"] else "") \
+            + explicit_words(row.get("explicit_cache_tokens")) \
             + (f", {row['kept_draft_tokens']:,} of {row['drafted_tokens']:,} drafted kept"
                if row.get("drafted_tokens") else "")  # speculative decoding (an older kvd does not say)
         api = row["api"] + (f":{row['shape']}" if row.get("shape") else "")  # the field that shapes its reply
@@ -91,6 +92,14 @@ def render_requests(d: dict) -> Group:
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)
+
+
+def explicit_words(tokens: int | None) -> str:
+    """A request in explicit prompt cache mode, as its state says it: how much of its prompt the cache
+    may serve it (None: implicit, nothing to say; an older kvd does not say either)."""
+    if tokens is None:
+        return ""
+    return f", explicit: cached up to {tokens:,}" if tokens else ", explicit: no mark, nothing cached"
 
 
 QUEUE_ORDER_WORDS = {"fifo": "queue_order fifo: as they came",

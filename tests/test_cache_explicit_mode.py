@@ -468,3 +468,24 @@ def test_the_hit_curve_counts_no_block_of_a_request_s_own_as_one_a_cache_could_s
     assert curve.prompts == 2 and curve.prompt_tokens > 0 and curve.looked_blocks == 0  # none of it any cache's
     cached(unix, ask(SYSTEM, "explicit"))  # marked: its marked prefix is, as it is kvd's
     assert curve.looked_blocks == held_tokens(service, SYSTEM) // service.config.block_size
+
+
+def test_a_request_in_flight_says_how_much_of_its_prompt_the_cache_may_serve_it(tmp_path):
+    pytest.importorskip("torch")
+    import dataclasses
+    from types import SimpleNamespace
+
+    from kvctl.daemon.engine.engine import Engine, EngineSettings
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.llama import load_model
+    from kvctl.daemon.server.inflight import request_row
+
+    demo = load_model(ensure_demo_checkpoint(tmp_path))
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    ids = demo.tokenizer.encode("Operators pin hot prefixes such as system prompts, and evict the rest. " * 2)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    marked = engine.add_request(ids, dataclasses.replace(greedy, extra={"cache_private": (2, b"nonce")}))
+    plain = engine.add_request(ids, greedy)
+    service = SimpleNamespace(engine=engine)
+    assert [request_row(service, r, engine.clock())["explicit_cache_tokens"] for r in (marked, plain)] == [32, None]

@@ -85,7 +85,8 @@ def test_requests_in_flight_are_listed_and_cancelled_by_id_or_tenant(tmp_path):
                                 "waiting_for_lora_turn", "priority",
                                 "cohort", "shape", "adapter", "drafted_tokens",
                                 "kept_draft_tokens", "queue_position", "cached_prefix_tokens",
-                                "passed_over", "queue_wait_left_seconds"}  # no tokens, no text
+                                "passed_over", "queue_wait_left_seconds", "explicit_cache_tokens"}  # no tokens, no text
+        assert running["explicit_cache_tokens"] is None  # (implicit prompt cache mode, as any request)
         # where the waiting one stands: first in line, the cache holding none of its prefix
         assert (running["queue_position"], waiting["queue_position"], waiting["cached_prefix_tokens"]) == (None, 1, 0)
         assert waiting["queue_wait_left_seconds"] is None  # no max_queue_wait here
@@ -259,6 +260,12 @@ def test_kvctl_requests_watch_redraws_the_table_until_stopped():
     assert lines[1].split()[-1] == "9+3"  # held, and reserved for output not made yet
     assert lines[-1] == ("blocks: held+reserved: the blocks its tokens fill, and those its output reservation holds "
                          "for tokens not made yet (kvctl status says what the reservation leaves unwritten)")
+    explicit = Console(record=True, width=200)  # explicit prompt cache mode: how far the cache may serve it
+    explicit.print(render_requests({"requests": [{**row("req-000000000006", "decode"), "explicit_cache_tokens": 160},
+                                                 {**row("req-000000000007", "decode"), "explicit_cache_tokens": 0}],
+                                    "running": 2, "waiting": 0}))
+    lines = explicit.export_text().splitlines()
+    assert "decode, explicit: cached up to 160" in lines[1] and "decode, explicit: no mark, nothing cached" in lines[2]
 
 
 @pytest.mark.parametrize("order", ["fifo", "lpm"])

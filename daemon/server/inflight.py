@@ -40,6 +40,7 @@ def request_row(service: EngineService, request: Request, now: float,
     blocks = sum(cache.sequence(s.seq_id).held_blocks for s in request.sequences if s.seq_id in cache)
     reserved = sum(cache.holding(s.seq_id)[1] for s in request.sequences)  # for output it has not written yet
     waited_until = metrics.admitted if metrics.admitted is not None else now
+    private = request.params.cache_private
     return {"request_id": request.request_id, "tenant": request.tenant,
             "api": request.params.extra.get("api", "completions"), "state": request_state(request),
             "age_seconds": round(now - metrics.arrival, 3), "queued_seconds": round(waited_until - metrics.arrival, 3),
@@ -61,7 +62,10 @@ def request_row(service: EngineService, request: Request, now: float,
             "priority": -request.priority,  # as requests and tenant_priorities give it: lower runs first
             "cohort": request.cohort,
             "shape": shape_field(request),
-            "adapter": request.adapter or None}  # the LoRA adapter computing it (lora_modules); None: the model
+            "adapter": request.adapter or None,  # the LoRA adapter computing it (lora_modules); None: the model
+            # explicit prompt cache mode: the prompt tokens the cache may serve it (its marked prefix's full
+            # blocks; what follows is its own); None: implicit, as any request
+            "explicit_cache_tokens": None if private is None else private[0] * cache.block_size}
 
 
 def shape_field(request: Request) -> str | None:
