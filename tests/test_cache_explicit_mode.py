@@ -88,21 +88,27 @@ def test_explicit_mode_with_no_mark_reads_nothing_from_the_cache_and_leaves_noth
                           in " ".join(out.split()) + " ")
 
 
-def test_the_engine_indexes_a_private_tail_under_the_request_s_own_keys_shares_it_and_drops_it_at_the_end(
-        tmp_path):
-    pytest.importorskip("torch")
-    import dataclasses
-
+def demo_engine(tmp_path):
+    """The demo checkpoint's engine (64 blocks of 16), a prompt of five blocks or more, and greedy
+    sampling of 8 tokens."""
     from kvctl.daemon.engine.engine import Engine, EngineSettings
     from kvctl.daemon.engine.sampling import SamplingParams
     from kvctl.daemon.model.demo import ensure_demo_checkpoint
     from kvctl.daemon.model.llama import load_model
 
     demo = load_model(ensure_demo_checkpoint(tmp_path))
-    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
     ids = demo.tokenizer.encode("Operators pin hot prefixes such as system prompts, and evict the rest. " * 6)
+    return Engine(demo, EngineSettings(num_blocks=64, block_size=16)), ids, SamplingParams(max_tokens=8,
+                                                                                            ignore_eos=True)
+
+
+def test_the_engine_indexes_a_private_tail_under_the_request_s_own_keys_shares_it_and_drops_it_at_the_end(
+        tmp_path):
+    pytest.importorskip("torch")
+    import dataclasses
+
+    engine, ids, greedy = demo_engine(tmp_path)
     assert len(ids) >= 5 * 16
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     private = (2, b"request-own-nonce")
     namespace = engine.namespace("default")
     own = PrefixHasher(namespace, private=private).feed(ids)
@@ -173,16 +179,9 @@ def test_a_preempted_sample_finds_the_request_s_own_blocks_again_and_they_go_as_
     pytest.importorskip("torch")
     import dataclasses
 
-    from kvctl.daemon.engine.engine import Engine, EngineSettings
     from kvctl.daemon.engine.requests import SeqStatus
-    from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.model.demo import ensure_demo_checkpoint
-    from kvctl.daemon.model.llama import load_model
 
-    demo = load_model(ensure_demo_checkpoint(tmp_path))
-    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
-    ids = demo.tokenizer.encode("Operators pin hot prefixes such as system prompts, and evict the rest. " * 6)
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine, ids, greedy = demo_engine(tmp_path)
     namespace = engine.namespace("default")
     usable = engine.cache.cacheable_blocks(len(ids))
 
@@ -475,16 +474,9 @@ def test_a_request_in_flight_says_how_much_of_its_prompt_the_cache_may_serve_it(
     import dataclasses
     from types import SimpleNamespace
 
-    from kvctl.daemon.engine.engine import Engine, EngineSettings
-    from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.model.demo import ensure_demo_checkpoint
-    from kvctl.daemon.model.llama import load_model
     from kvctl.daemon.server.inflight import request_row
 
-    demo = load_model(ensure_demo_checkpoint(tmp_path))
-    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
-    ids = demo.tokenizer.encode("Operators pin hot prefixes such as system prompts, and evict the rest. " * 2)
-    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine, ids, greedy = demo_engine(tmp_path)
     marked = engine.add_request(ids, dataclasses.replace(greedy, extra={"cache_private": (2, b"nonce")}))
     plain = engine.add_request(ids, greedy)
     service = SimpleNamespace(engine=engine)
