@@ -37,8 +37,10 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
     """Cached prefixes as a tree, in every tier: one row per run of blocks between branch points.
 
     Each row has the row it extends (parent), tenant, LoRA adapter, tokens, blocks, size, hits,
-    idle time, tier and pin; never text. An adapter's rows name it; rows of weights a reload
-    replaced or took away show their id (`kvctl evict --adapter-id` takes them).
+    idle time, tier and pin; never text. A running request's own blocks (explicit prompt cache
+    mode) are counted under private: they go as it ends, and no pin takes them. An adapter's rows
+    name it; rows of weights a reload replaced or took away show their id (`kvctl evict
+    --adapter-id` takes them).
 
     Prompts that share a start (a chat template, a system prompt) share a row, and each way they
     go on from it is a row of its own whose parent is that row. An id given to `kvctl evict
@@ -66,15 +68,17 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         adapters = any(p.get("adapter_id") for p in shown)  # some row is a LoRA adapter's (an older kvd: none)
         optional = {"tenant": len(tenants) > 1, "pinned": any(p["pinned"] for p in shown),
                     "in use": any(p["in_use_blocks"] for p in shown),
+                    "private": any(p.get("private_blocks") for p in shown),  # (an older kvd: none)
                     "model": len(models) > 1 and adapters}  # with no adapter, every row is the model's
         fleet = [r["replica"] for r in d.get("replicas") or []]  # at kvd router: rows replica by replica
         optional["replica"] = bool(fleet)
         headers = ["replica", "prefix", "parent", "tenant", "model", "tokens", "size", "hits", "idle", "tier", "pinned",
-                   "in use"]
+                   "in use", "private"]
         headers = [h for h in headers if optional.get(h, True)]
         table = compact_table(*headers)
         for column in table.columns:
-            column.justify = "right" if column.header in ("tokens", "size", "hits", "idle", "in use") else "left"
+            column.justify = "right" if column.header in ("tokens", "size", "hits", "idle", "in use", "private") \
+                else "left"
         for p in shown:
             cells = {"prefix": p["prefix_id"],
                      "parent": _prefix_parent(p),
@@ -83,6 +87,7 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
                      "hits": "-" if p["hits"] is None else f"{p['hits']:,}", "idle": duration(p.get("idle_seconds")),
                      "tier": "+".join(p.get("tiers") or [p["tier"]]), "pinned": "yes" if p["pinned"] else "",
                      "in use": f"{p['in_use_blocks']:,}" if p["in_use_blocks"] else "",
+                     "private": f"{p['private_blocks']:,}" if p.get("private_blocks") else "",
                      "replica": f"#{fleet.index(p['replica'])}" if fleet else ""}
             table.add_row(*(cells[h] for h in headers))
         keep_whole(table, 0)
@@ -99,6 +104,9 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
             console.print("; ".join(same))
         if any(p.get("detached") and not p.get("stale") for p in shown):
             console.print("detached: the blocks before it are cached nowhere, so no request reaches it")
+        if optional["private"]:
+            console.print("private: blocks a running request hashed as its own (explicit prompt cache mode); no other "
+                          "request reads them, no pin or lower tier takes them, and they go as it ends")
         if any(p.get("stale") for p in shown):
             console.print(f"stale: made under {STRANDED_CAUSES['space']}; no request reaches it, and a stranded pin "
                           "keeps it (kvctl unpin --stranded)")
@@ -178,6 +186,11 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
         replica_lines(d, lambda row: f"{row['cached_blocks']} cached" + (", warmed" if row["warmed"] else ""))
         if d.get("was"):
             Console().print(pinned_again(d["was"], d), highlight=False, soft_wrap=True)
+        if d.get("private_blocks_left_out"):
+            left = d["private_blocks_left_out"]
+            Console().print(f"{left} block{'s' if left != 1 else ''} at the row's end left unpinned: a running "
+                            "request's own (explicit prompt cache mode), which go as it ends", highlight=False,
+                            soft_wrap=True)
         if d.get("let_go_holds"):
             holds = len(d["let_go_holds"])
             Console().print(f"{holds} of tenant {d['tenant']}'s requests' prompt cache breakpoint hold"

@@ -5,6 +5,9 @@ for another request, while its own samples still share them."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 
 from kvctl.daemon.cache import Namespace, PrefixHasher, chain_keys
@@ -481,3 +484,118 @@ def test_a_request_in_flight_says_how_much_of_its_prompt_the_cache_may_serve_it(
     plain = engine.add_request(ids, greedy)
     service = SimpleNamespace(engine=engine)
     assert [request_row(service, r, engine.clock())["explicit_cache_tokens"] for r in (marked, plain)] == [32, None]
+
+
+@contextlib.contextmanager
+def running_in_explicit_mode(service, ids: list[int], shared_blocks: int = 2):
+    """A request in explicit mode (its own from block `shared_blocks` on), its prompt computed and
+    indexed, kept running while the block runs: kvd's engine loop takes no step meanwhile."""
+    from kvctl.daemon.engine.sampling import SamplingParams
+
+    engine = service.engine
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True,
+                            extra={"cache_private": (shared_blocks, b"request-own-nonce")})
+    with service.lock:
+        held = engine.add_request(ids, params, request_id="own")
+        while not held.sequences[0].output_ids:
+            engine.step()
+        stepping, engine.step = engine.step, lambda: time.sleep(0.005) or []
+    try:
+        yield held
+    finally:
+        with service.lock:
+            engine.step = stepping
+            engine.cancel("own")
+            del engine.requests["own"]
+
+
+def a_prompt_of_blocks(service) -> tuple[list[int], int]:
+    """A prompt of the demo tokenizer's, and how many of its blocks the cache indexes (five or more)."""
+    ids = service.loaded.tokenizer.encode("Operators pin hot prefixes such as system prompts, and evict the rest. " * 6)
+    usable = service.engine.cache.cacheable_blocks(len(ids))
+    assert usable >= 5
+    return ids, usable
+
+
+def test_kvctl_prefixes_counts_a_running_request_s_own_blocks_and_kvctl_pin_prefix_pins_none_of_them(kvd):
+    from kvctl.daemon.engine.sampling import SamplingParams
+
+    from .daemon_fixtures import call
+    from .test_sleep import kvctl_on
+
+    service, unix = kvd
+    engine = service.engine
+    ids, usable = a_prompt_of_blocks(service)
+    size = engine.cache.block_size
+
+    def rows() -> list[dict]:
+        return call(unix, "GET", "/admin/prefixes").json()["prefixes"]
+
+    def pin(prefix_id: str):
+        return call(unix, "POST", "/admin/pins", json={"prefix": prefix_id})
+
+    with running_in_explicit_mode(service, ids):
+        [row] = rows()  # nothing else cached: its shared blocks and its own are one run
+        assert (row["blocks"], row["private_blocks"], row["in_use_blocks"]) == (usable, usable - 2, usable)
+        code, out = kvctl_on(unix, ["prefixes"])
+        header, line = [x.split() for x in out.splitlines()[:2]]
+        assert code == 0 and (header[-3:], line[-2:]) == (["in", "use", "private"], [str(usable), str(usable - 2)])
+        assert "private: blocks a running request hashed as its own (explicit prompt cache mode)" in out
+        code, out = kvctl_on(unix, ["pin", "--prefix", row["prefix_id"]])
+        assert code == 0 and "pinned " in out and ": 2 blocks for tenant default (2 cached)" in out
+        assert (f"{usable - 2} blocks at the row's end left unpinned: a running request's own (explicit prompt "
+                "cache mode), which go as it ends") in " ".join(out.split())
+        pinned = call(unix, "GET", "/admin/pins").json()["pins"]
+        assert [(p["blocks"], p["cached_blocks"]) for p in pinned] == [(2, 2)]
+    assert engine.cache.pool.private_evictions == usable - 2  # its own went as it ended: the pin kept none
+
+    with service.lock:  # another prompt goes on from the same two blocks: the request's own run is a row
+        other = engine.add_request(ids[:2 * size] + ids[:3 * size], SamplingParams(max_tokens=2, temperature=0.0))
+        while not other.finished:
+            engine.step()
+        del engine.requests[other.request_id]
+    with running_in_explicit_mode(service, ids):
+        own_row = next(r for r in rows() if r["private_blocks"])
+        root = next(r for r in rows() if r["start_token"] == 0)
+        assert (own_row["start_token"], own_row["blocks"], own_row["private_blocks"]) == (2 * size, usable - 2,
+                                                                                         usable - 2)
+        assert own_row["parent_id"] == root["prefix_id"] and root["private_blocks"] == 0
+        refused = pin(own_row["prefix_id"])
+        error = refused.json()["error"]
+        assert (refused.status_code, error["param"]) == (409, "prefix")
+        assert error["message"] == (f"prefix: {own_row['prefix_id']!r} is a running request's own (explicit prompt "
+                                    "cache mode: no other request reads it, and it goes as that request ends); pin "
+                                    f"the prefix it extends, {root['prefix_id']}")
+        assert [p["blocks"] for p in call(unix, "GET", "/admin/pins").json()["pins"]] == [2]  # nothing changed
+    assert engine.cache.pool.private_evictions == 2 * (usable - 2)
+    assert all(not r["private_blocks"] for r in rows())
+
+
+def test_kvd_router_sums_the_own_blocks_each_replica_left_out_of_a_pin_by_prefix_id():
+    from kvctl.daemon.server.fleet_admin import merge_pins
+
+    pinned = {"pin_id": "p1", "blocks": 2, "cached_blocks": 2, "warmed": False}
+    merged = merge_pins([{**pinned, "private_blocks_left_out": 3}, pinned, {**pinned, "private_blocks_left_out": 4}])
+    assert (merged["cached_blocks"], merged["private_blocks_left_out"]) == (6, 7)
+    assert "private_blocks_left_out" not in merge_pins([pinned, pinned])
+
+
+def test_kvctl_swap_moves_the_shared_part_of_a_prefix_and_leaves_a_running_request_s_own_on_the_device(tmp_path):
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, call, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=256, host_cache_bytes="16MiB")
+    try:
+        unix = apps(service, token_table(tmp_path))[0]
+        ids, usable = a_prompt_of_blocks(service)
+        with running_in_explicit_mode(service, ids):
+            [row] = call(unix, "GET", "/admin/prefixes").json()["prefixes"]
+            moved = call(unix, "POST", "/admin/swap", json={"prefix": row["prefix_id"], "to": "host"}).json()
+            assert {k: moved[k] for k in ("blocks", "moved_blocks", "verified_blocks", "kept_on_device")} == {
+                "blocks": 2, "moved_blocks": 2, "verified_blocks": 2,
+                "kept_on_device": {"in_use": 2, "private": usable - 2}}
+            assert service.tiers.flush(timeout=10) and len(service.tiers.host.index) == 2
+        assert service.engine.cache.pool.private_evictions == usable - 2
+        assert len(service.tiers.host.index) == 2  # no tier got any of its own
+    finally:
+        service.shutdown(1)

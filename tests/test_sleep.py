@@ -402,8 +402,8 @@ def kvctl_on(unix, args: list[str]) -> tuple[int, str]:
             assert answer.status_code == 200, answer.text
             return answer.json()
 
-        def get(self, path, **params):
-            return call(unix, "GET", path, params=params).json()
+        def get(self, path, **params):  # (as kvctl's client: a parameter not given is not sent)
+            return call(unix, "GET", path, params={k: v for k, v in params.items() if v is not None}).json()
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("kvctl.command_kit.Client", Through)

@@ -870,7 +870,7 @@ class KVCacheManager:
         the caller's lock covers only the read (13-30 ms for 100,000 blocks, where making the
         CachedBlocks there held it for 112-125 ms: scripts/prefix-tree-time --pool-blocks)."""
         return [(b.key, b.parent, b.root, b.depth, "device", b.tenant, b.hits, b.last_use, b.pin_count > 0,
-                 b.ref_count > 0) for b in self.pool.blocks if b.key is not None]
+                 b.ref_count > 0, b.own) for b in self.pool.blocks if b.key is not None]
 
     def _bound_roots(self) -> None:
         """Keep `roots` from growing with every prompt start ever seen (a daemon nobody lists the

@@ -38,6 +38,7 @@ class CachedBlock:
     last_use: float | None = None  # clock reading of its latest use; None where not tracked
     pinned: bool = False
     in_use: bool = False
+    own: bool = False  # a running request's own (explicit prompt cache mode: BlockPool's Block.own)
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ class PrefixNode:
     last_use: float | None = None
     pinned_blocks: int = 0
     in_use_blocks: int = 0
+    private_blocks: int = 0  # blocks a running request hashed as its own (CachedBlock.own)
     children: list[bytes] = field(default_factory=list)  # ids of the nodes that branch from its end
 
     @property
@@ -90,6 +92,7 @@ class PrefixTree:
         self.nodes: dict[bytes, PrefixNode] = {}
         self.node_of: dict[bytes, bytes] = {}  # block key -> id of the node holding it
         self.depth_of: dict[bytes, int] = {}  # block key -> its depth (0: a chain's first block)
+        self.own: set[bytes] = set()  # keys of the blocks a running request hashed as its own (CachedBlock.own)
         node_of, depth_of = self.node_of, self.depth_of
         for start, first in by_key.items():
             parent = first.parent
@@ -99,11 +102,11 @@ class PrefixTree:
                               tenant=first.tenant)
             keys, tiers = node.keys, node.tiers
             hits = last_use = None
-            pinned = in_use = 0
+            pinned = in_use = private = 0
             key = start
             while True:
                 block = by_key[key]
-                pinned_here = in_use_here = False
+                pinned_here = in_use_here = own_here = False
                 keys.append(key)
                 node_of[key] = start
                 depth_of[key] = block.depth
@@ -119,13 +122,18 @@ class PrefixTree:
                         node.tenant = c.tenant
                     pinned_here = pinned_here or c.pinned
                     in_use_here = in_use_here or c.in_use
+                    own_here = own_here or c.own
                 pinned += pinned_here
                 in_use += in_use_here
+                if own_here:
+                    private += 1
+                    self.own.add(key)
                 below = children.get(key)
                 if below is None or len(below) != 1:
                     break
                 key = below[0]
             node.hits, node.last_use, node.pinned_blocks, node.in_use_blocks = hits, last_use, pinned, in_use
+            node.private_blocks = private
             self.nodes[start] = node
         for node in self.nodes.values():
             parent = by_key[node.key].parent

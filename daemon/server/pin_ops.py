@@ -73,11 +73,23 @@ def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None
                note: str) -> dict:
     """Pin a cached prefix by its id from `kvctl prefixes`: the prefix as that row lists it (from
     the first token to the end of the row). No text needed; its tenant pays. Parts of it in
-    a lower tier come back to the device and pin as they land."""
+    a lower tier come back to the device and pin as they land.
+
+    A running request's own blocks (explicit prompt cache mode: its prompt past its marked
+    prefix) are never pinned: a pin would keep what the request asked to leave nowhere once it
+    ends. A row that starts with them is refused (the message names the row they extend); a row
+    that ends with them is pinned up to them, and the answer says how many were left out."""
     service.require_ready()
     tree, roots = prefix_tree(service)
     first = resolve_prefix(prefix_id, tree)
     keys = tree.path(first)
+    own = next((i for i, key in enumerate(keys) if key in tree.own), len(keys))  # (a chain's own blocks end it)
+    if first in tree.own:
+        shared = "no part of it is shared" if own == 0 else \
+            f"pin the prefix it extends, {tree.node_of[keys[own - 1]].hex()[:16]}"
+        raise ServiceError(409, f"prefix: {prefix_id!r} is a running request's own (explicit prompt cache mode: "
+                                f"no other request reads it, and it goes as that request ends); {shared}", "prefix")
+    keys, left_out = keys[:own], len(keys) - own
     node, top = tree.nodes[tree.node_of[first]], tree.nodes[tree.node_of[keys[0]]]
     if top.detached:
         raise ServiceError(409, f"prefix: {prefix_id!r} is unreachable (the blocks before it are cached "
@@ -97,6 +109,8 @@ def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None
     body = _pin_keys(service, keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}",
                      "prefix", origin)
     body["prefix_id"] = first.hex()[:16]
+    if left_out:
+        body["private_blocks_left_out"] = left_out
     return body
 
 

@@ -61,7 +61,10 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
     reached since kvd started) and `model`, the name it is served under (None: not served now).
     `stale`: its tree was hashed in a block space kvd no longer serves (scales since replaced by a
     live calibration, say), so no request reaches it; kvd drops such blocks as the scales change
-    (Engine.set_scales) and as their stranded pin goes (pin_ops.unpin), so a pin keeps these."""
+    (Engine.set_scales) and as their stranded pin goes (pin_ops.unpin), so a pin keeps these.
+    `private_blocks`: those of its blocks a running request hashed as its own (OpenAI's explicit
+    prompt cache mode): no other request reads them, no pin or lower tier takes them, and they go
+    as that request ends."""
     if sort not in PREFIX_SORTS:
         raise ServiceError(400, f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}", "sort")
     if limit < 0:
@@ -99,7 +102,8 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
             "last_use": unix_time(last_use, now), "tier": node.tier,
             "tiers": {t: node.tiers[t] for t in TIER_ORDER if t in node.tiers},
             "pinned": node.pinned_blocks > 0, "pinned_blocks": node.pinned_blocks,
-            "in_use_blocks": node.in_use_blocks, "children": len(node.children), "detached": node.detached,
+            "in_use_blocks": node.in_use_blocks, "private_blocks": node.private_blocks,
+            "children": len(node.children), "detached": node.detached,
             "stale": info is not None and info.stale(served),
         })
     rows = [r for r in _tree_order(rows) if (tenant is None or r["tenant"] == tenant)
