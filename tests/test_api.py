@@ -717,6 +717,23 @@ def test_pins_survive_a_restart(tmp_path):
         second.shutdown(1)
 
 
+def test_a_pin_s_times_are_read_with_the_engine_s_clock_so_a_slow_store_write_does_not_shift_them(tmp_path,
+                                                                                                   monkeypatch):
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        prompt = "A prefix pinned twice while the store writes slowly, long enough for two blocks."
+        made = call(unix, "POST", "/admin/pins", json={"text": prompt, "ttl": "1h"}).json()
+        save = service.store.save_pin
+        monkeypatch.setattr(service.store, "save_pin", lambda row: time.sleep(0.3) or save(row))
+        again = call(unix, "POST", "/admin/pins", json={"text": prompt, "ttl": "1h"}).json()
+        assert abs(again["created_at"] - made["created_at"]) < 0.05  # (0.3 s off when read after the write)
+        [listed] = call(unix, "GET", "/admin/pins").json()["pins"]
+        assert abs(listed["created_at"] - made["created_at"]) < 0.05
+    finally:
+        service.shutdown(1)
+
+
 def test_a_pin_made_again_says_what_it_was_and_keeps_when_it_was_first_made(tmp_path):
     """Pinning a pinned prefix again sets its owner, note and expiry to this call's (none: it no
     longer expires): the answer and the audit say what they were; the store keeps its first

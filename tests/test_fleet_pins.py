@@ -224,9 +224,9 @@ def test_the_pin_list_with_keys_is_made_after_the_engines_lock(tmp_path, monkeyp
             assert call(app, "POST", "/admin/pins", json={"keys": chain, "tenant": tenant}).status_code == 200
         held, pin_times = [], pin_ops._pin_times
 
-        def watched(described, now):
+        def watched(described, now, wall=None):
             held.append((described["tenant"], holds_engine_lock(service)))
-            return pin_times(described, now)
+            return pin_times(described, now, wall)
 
         monkeypatch.setattr(pin_ops, "_pin_times", watched)
         listed = call(app, "GET", "/admin/pins", params={"keys": "true"}).json()["pins"]

@@ -40,10 +40,12 @@ def format_duration(seconds: float | None) -> str:
     return f"{days}d {hours % 24}h" if hours % 24 else f"{days}d"
 
 
-def unix_time(reading: float | None, now: float) -> float | None:
+def unix_time(reading: float | None, now: float, wall: float | None = None) -> float | None:
     """A reading of the engine's clock (monotonic, `now` being its current one) as Unix time:
-    what the API hands out, so scripts and other hosts can read it."""
-    return None if reading is None else time.time() - (now - reading)
+    what the API hands out, so scripts and other hosts can read it. `wall`: the Unix time read
+    with `now` (default: read here), for a caller that does other work between reading the
+    engine's clock and handing out its times (a store write), which would shift them."""
+    return None if reading is None else (time.time() if wall is None else wall) - (now - reading)
 
 
 def clock_reading(stored, now: float, clock: float) -> float | None:

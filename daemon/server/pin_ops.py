@@ -151,13 +151,13 @@ def _pinned(service, result, principal: Principal, ttl: float | None, note: str,
     engine = service.engine
     with service.lock:
         cached = engine.cache.lookup(result.pin.keys)
-        now = engine.clock()
+        now, wall = engine.clock(), time.time()  # (the times handed out are the same before and after the store's)
     pin = result.pin
     try:  # (made again: it keeps when it was first made)
         service.store.save_pin({"pin_id": pin.pin_id, "tenant": pin.tenant,
                                 "keys": ",".join(k.hex() for k in pin.keys), "owner": pin.owner,
-                                "note": pin.note, "created_at": unix_time(pin.created_at, now),
-                                "expires_at": None if ttl is None else time.time() + ttl,
+                                "note": pin.note, "created_at": unix_time(pin.created_at, now, wall),
+                                "expires_at": None if ttl is None else wall + ttl,
                                 "space": pin.space, "adapter_id": pin.adapter_id})
     except StoreUnavailable as exc:  # a pin that would not survive a restart is no pin
         if not result.refreshed:
@@ -165,7 +165,7 @@ def _pinned(service, result, principal: Principal, ttl: float | None, note: str,
                 engine.cache.unpin(pin.pin_id)
         raise ServiceError(503, f"{exc}: " + ("the pin's new expiry holds until kvd restarts" if result.refreshed
                                                else "nothing was pinned"), "pin") from None
-    body = {**_pin_times(pin.describe(), now), "cached_blocks": cached, "warmed": warmed,
+    body = {**_pin_times(pin.describe(), now, wall), "cached_blocks": cached, "warmed": warmed,
             "refreshed": result.refreshed}
     detail = {"blocks": pin.num_blocks, "ttl": ttl, "note": note}
     if result.let_go:  # requests' breakpoint holds gave way to it in the tenant's pin budget
@@ -232,10 +232,10 @@ def list_pins(service, with_keys: bool = False, tenant: str | None = None) -> li
     engine = service.require_ready()
     space, names = served_origin(service)
     with service.engine_lock():  # what only the lock makes consistent; the rows and the keys' hex after it
-        now = engine.clock()
+        now, wall = engine.clock(), time.time()
         listed = [(p.describe(), engine.cache.lookup(p.keys), p.keys, stranded_reason(p, space, names))
                   for p in engine.cache.pins.all() if tenant is None or p.tenant == tenant]
-    return [{**_pin_times(described, now), "cached_blocks": cached, "model": names.get(described["adapter_id"]),
+    return [{**_pin_times(described, now, wall), "cached_blocks": cached, "model": names.get(described["adapter_id"]),
              "stranded": stranded, **({"keys": [k.hex() for k in keys]} if with_keys else {})}
             for described, cached, keys, stranded in listed]
 
@@ -395,11 +395,12 @@ def unpin_many(service, principal: Principal, *, stranded: bool, tenant: str | N
             **({"dropped_stale_blocks": dropped} if dropped else {})}
 
 
-def _pin_times(described: dict, now: float) -> dict:
-    """A pin's engine-clock times as Unix times, with the seconds it has left (None: until unpinned)."""
+def _pin_times(described: dict, now: float, wall: float | None = None) -> dict:
+    """A pin's engine-clock times as Unix times (`now`, and `wall` read with it: unix_time), with
+    the seconds it has left (None: until unpinned)."""
     expires = described["expires_at"]
-    return {**described, "created_at": unix_time(described["created_at"], now),
-            "expires_at": unix_time(expires, now),
+    return {**described, "created_at": unix_time(described["created_at"], now, wall),
+            "expires_at": unix_time(expires, now, wall),
             "expires_in_seconds": None if expires is None else max(expires - now, 0.0)}
 
 
