@@ -68,6 +68,9 @@ def route(ctx: typer.Context,
           priority: Optional[int] = typer.Option(None, help="The request's own priority (vLLM's; 1 or more defers "
                                                  "it behind its tenant's place): under queue_order priority, the "
                                                  "wait it would get."),
+          service_tier: Optional[str] = typer.Option(None, "--service-tier",
+                                                     help="OpenAI's service_tier: flex defers the request further "
+                                                          "under queue_order priority (the wait it would get)."),
           prompt_cache_key: Optional[str] = typer.Option(None, "--prompt-cache-key",
                                                          help="OpenAI's prompt_cache_key: a prompt no replica "
                                                               "holds goes home by it, as kvd router sends it."),
@@ -89,8 +92,13 @@ def route(ctx: typer.Context,
     if priority is not None and priority < 0:
         raise UserError(f"priority: {priority} would jump ahead of its tenant's place; a request may only defer "
                         "itself (0 or more)")
+    from kvctl.daemon.server.service_tiers import TIERS
+
+    if service_tier is not None and service_tier not in TIERS:
+        raise UserError(f"service-tier: must be one of {', '.join(TIERS)}, got {service_tier!r}")
     prompt = {**prompt_body(text, tokens, file, messages), **({"model": model} if model else {}),
               **({"priority": priority} if priority else {}),
+              **({"service_tier": service_tier} if service_tier == "flex" else {}),  # (any other: served as default)
               **({"prompt_cache_key": prompt_cache_key} if prompt_cache_key else {})}
     if router is not None:
         if replica:

@@ -1533,6 +1533,13 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
     assert fleet["/run/a.sock"].asked == [("/admin/route-facts", {"tokens": [1, 2, 3], "priority": 5, "tenant": None})]
     assert " ".join(cli(capsys, *args, "--priority", "-1")[2].split()) == (
         "error: priority: -1 would jump ahead of its tenant's place; a request may only defer itself (0 or more)")
+    fleet["/run/a.sock"].asked.clear()
+    assert cli(capsys, *args, "--service-tier", "flex")[0] == cli(capsys, *args, "--service-tier", "priority")[0] == 0
+    assert fleet["/run/a.sock"].asked == [  # (flex defers it under a priority queue; any other is default)
+        ("/admin/route-facts", {"tokens": [1, 2, 3], "service_tier": "flex", "tenant": None}),
+        ("/admin/route-facts", {"tokens": [1, 2, 3], "tenant": None})]
+    assert " ".join(cli(capsys, *args, "--service-tier", "economy")[2].split()) == (
+        "error: service-tier: must be one of auto, default, flex, priority, scale, got 'economy'")
     assert cli(capsys, *args, "--routing", "round_robin")[2].strip() == \
         "error: routing: unknown value 'round_robin' for one prompt; choose from least_loaded, prefix, ttft"
     fleet["/run/a.sock"] = fleet["/run/b.sock"] = Down()

@@ -285,6 +285,44 @@ def test_a_flex_request_waits_behind_the_others_under_a_priority_queue_and_says_
         service.shutdown(1)
 
 
+def test_route_facts_weigh_a_flex_request_behind_every_place_that_does_not_defer_itself(tmp_path):
+    """A router asks route-facts with the request's service_tier: "flex" waits behind the work of
+    every place up to 1,000 behind its tenant's, as kvd would queue it; under a FIFO queue it is
+    weighed as default, and a tier OpenAI has not named is a 400."""
+    service = start_service(tmp_path, num_blocks=64, queue_order="priority", tenant_priorities="batch=3")
+    fifo = start_service(tmp_path / "fifo", num_blocks=64)
+    try:
+        engine, unix = service.engine, apps(service, token_table(tmp_path))[0]
+        fifo_unix = apps(fifo, token_table(tmp_path / "fifo"))[0]
+        with service.lock:
+            engine.admission_paused = True  # batch's request waits
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        waits = service.submit_nowait([list(range(100, 140))], params, Principal("batch", "user", "batch"),
+                                      lambda event: None, service.queue_priority("batch", 0)).result(timeout=30)[0]
+
+        def ahead(app=unix, **asked) -> int:
+            answer = call(app, "POST", "/admin/route-facts", json={"tokens": list(range(200, 220)), "tenant": "acme",
+                                                                   **asked})
+            assert answer.status_code == 200, answer.text
+            return answer.json()["tokens_ahead"]
+
+        assert ahead() == ahead(service_tier="default") == ahead(service_tier="priority") == 0  # acme's 0 first
+        assert ahead(service_tier="flex") == ahead(priority=5) == 40  # behind batch's place, 3
+        assert ahead(fifo_unix, service_tier="flex") == ahead(fifo_unix) == 0
+        refused = call(unix, "POST", "/admin/route-facts", json={"tokens": [1, 2], "service_tier": "economy"})
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "service_tier")
+        assert refused.json()["error"]["message"] == ("service_tier: must be one of auto, default, flex, priority, "
+                                                      "scale, got 'economy'")
+        with service.lock:
+            engine.admission_paused = False
+            service.lock.notify_all()
+        settled(lambda: waits.finished, bool, timeout=30)
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+        fifo.shutdown(1)
+
+
 def waiting(service) -> int:
     with service.lock:  # (the engine thread changes the queue under its lock)
         return len(service.engine.waiting())

@@ -1947,7 +1947,8 @@ def test_anyio_s_cancelled_read_race_is_logged_at_debug_and_every_other_loop_err
 class BehindByPlace(Behind):
     """Behind (30 s for the last place), under a priority queue: 3 s of work waits at place 0 and 27 s
     more at place 5. A prompt's route-facts give the wait at its place (a request deferring itself
-    by 5 waits for all of it); a load poll, the last place's and the work by place, for the view.
+    by 5, or asking service_tier flex, waits for all of it); a load poll, the last place's and the
+    work by place, for the view.
     Requests go on without their priority (the kvd behind serves first come, first served)."""
     RATE = 1000.0
 
@@ -1965,7 +1966,8 @@ class BehindByPlace(Behind):
             return answer
         facts = json.loads(await answer.aread())
         if asked.get("tokens") != []:
-            facts["predicted_wait_seconds"] = 30.0 if asked.get("priority", 0) >= 5 else 3.0
+            deferred = asked.get("priority", 0) + (1000 if asked.get("service_tier") == "flex" else 0)
+            facts["predicted_wait_seconds"] = 30.0 if deferred >= 5 else 3.0
         facts.update(prefill_tokens_per_second=self.RATE, priority_waiting=[[0, 3000], [5, 27000]], tenant_places={})
         return httpx.Response(200, json=facts)
 
@@ -1974,24 +1976,25 @@ class BehindByPlace(Behind):
 def test_the_router_weighs_a_request_that_defers_itself_at_its_own_place(replicas, view):
     """Both replicas queue as BehindByPlace; replica-0, a new prompt's home, has a 10 s limit, replica-1
     none. A request at its tenant's place waits 3 s there and goes home; one that defers itself
-    (vLLM's priority 5) would wait behind all 30 s of work, past the limit, and is sent on to
-    replica-1. The router asks route-facts with the request's priority, or weighs it in its view
-    against the work by place."""
-    def routed(priority):
-        fresh = homed(f"{view} {priority}: a request deferring itself, asked once here. " * 6, "replica-0")
+    (vLLM's priority 5), or asks service_tier flex, would wait behind all 30 s of work, past the limit,
+    and is sent on to replica-1. The router asks route-facts with the request's priority and tier, or
+    weighs them in its view against the work by place."""
+    def routed(priority, tier=None):
+        fresh = homed(f"{view} {priority} {tier}: a request deferring itself, asked once here. " * 6, "replica-0")
         service, app = router_app(replicas, "prefix", view=view)
         service.router = make_router("prefix", queue_limits="heed")
         service.replicas[0].client = replica_client("/run/replica-0.sock", transport=BehindByPlace(replicas[0], 10.0))
         service.replicas[1].client = replica_client("/run/replica-1.sock", transport=BehindByPlace(replicas[1], None))
         body = {"prompt": fresh, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
         [answer] = drive(app, [lambda c: c.post("/v1/completions", json={
-            **body, **({"priority": priority} if priority is not None else {})})],
+            **body, **({"priority": priority} if priority is not None else {}),
+            **({"service_tier": tier} if tier is not None else {})})],
             service=service if view == "events" else None)
         assert answer.status_code == 200
         return answer.headers["x-kvd-replica"], service.replicas[0].passed_over
 
-    assert routed(None) == routed(0) == ("replica-0", 0)
-    assert routed(5) == ("replica-1", 1)
+    assert routed(None) == routed(0) == routed(None, "priority") == ("replica-0", 0)
+    assert routed(5) == routed(None, "flex") == ("replica-1", 1)
 
 
 def test_a_request_s_question_carries_the_priority_it_defers_itself_by():
@@ -2001,6 +2004,9 @@ def test_a_request_s_question_carries_the_priority_it_defers_itself_by():
     for priority in (0, -2, True, 1.5, "3", None):  # none to weigh (a bad one: the replica says what is wrong)
         assert question_of({"prompt": "hi", "priority": priority}) == {"text": "hi"}
     assert question_of({"priority": 5}) is None
+    assert question_of({"prompt": "hi", "service_tier": "flex"}) == {"text": "hi", "service_tier": "flex"}
+    for tier in ("default", "priority", "auto", "economy", None):  # served as default (a bad one: the replica says)
+        assert question_of({"prompt": "hi", "service_tier": tier}) == {"text": "hi"}
 
 
 def test_kvctl_status_at_the_router_sums_the_replicas_preemptions_and_what_their_reservations_leave_unwritten():

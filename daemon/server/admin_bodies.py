@@ -193,3 +193,4 @@ class ExplainRequest(BaseModel):
     model: str | None = None  # a LoRA adapter's name: its blocks (None, or the model's name: the model's)
     # route-facts: the request's own priority (vLLM's; it may defer itself under queue_order priority)
     priority: Count | None = None
+    service_tier: Any = None  # route-facts: OpenAI's; "flex" defers it further (service_tiers.py)

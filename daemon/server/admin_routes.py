@@ -23,7 +23,7 @@ from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from . import (cache_breakpoints, cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops,
                health_checks, inflight, lora_ops, pin_ops, prefix_ops, reload_ops, response_admin, rollout_ops,
-               sleep_ops, tier_ops, weights_ops)
+               service_tiers, sleep_ops, tier_ops, weights_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
                            LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, ReplyIdsRequest, ResponsesPurge,
                            RolloutAdvance, RolloutRollback,
@@ -323,7 +323,11 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         # a model it does not serve is the router's to refuse (route-facts weighs; the model's blocks)
         adapter = body.model if body.model in service.adapters() else ""
         tenant = body.tenant or who.tenant
-        facts = cache_questions.route_facts(service, tokens_of(body, tenant), tenant, adapter, body.priority)
+        try:
+            tier = service_tiers.checked_tier(body.service_tier)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="service_tier") from None
+        facts = cache_questions.route_facts(service, tokens_of(body, tenant), tenant, adapter, body.priority, tier)
         return {**facts, "tenant_header": tenant_header,
                 "report_cached_tokens": service.config.report_cached_tokens}  # a router's X-KVD-Route keeps to it
 

@@ -13,6 +13,8 @@ from kvctl.daemon.engine.engine import Engine
 from kvctl.policies.queue_order import by_priority
 from kvctl.policies.tiering import restore_seconds
 
+from .service_tiers import deferral, served_tier
+
 REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its tenant holding more idle blocks than "
                  "its cache share", "filesystem": "to make room on a filesystem running short of space",
                  "operator": "by an operator", "corrupt": "after it failed verification",
@@ -25,7 +27,8 @@ REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its 
                             "could read it)"}
 
 
-def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", requested: int | None = None) -> dict:
+def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", requested: int | None = None,
+                tier: str | None = None) -> dict:
     """This replica for this prompt, as a router weighs it: the prompt's tokens its device
     cache holds, and its load (see `Engine.predicted_wait`; under queue_order lpm, the work that
     would go before this prompt; under priority, before a request of `tenant`, and each tenant's
@@ -36,7 +39,8 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", r
     served, and its LoRA adapters by name with their ids in the namespace). `adapter`: the prompt
     is for that LoRA adapter (its own blocks). `requested`: the request's own priority (vLLM's; it
     may defer itself behind its tenant's place), which the wait counts from, refused (ServiceError
-    400) as kvd refuses the request itself. Hashes before taking the lock."""
+    400) as kvd refuses the request itself; `tier`: its service_tier, "flex" deferring it further
+    where the queue goes by priority, as kvd serves it (service_tiers.py). Hashes before taking the lock."""
     engine = service.require_ready()
     keys = engine.prefix_keys(tenant, token_ids, adapter)[2]
     size = engine.settings.block_size
@@ -45,6 +49,7 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", r
     # makes each tenant's by `priority_waiting` (`priority_lpm_waiting`) and `tenant_queue_waits`
     ranked = by_priority(engine.settings.queue_order)
     place = service.queue_priority(tenant, requested)  # (checked whatever the order: kvd would refuse it)
+    place -= deferral(served_tier(tier, service.config.queue_order))  # (flex: behind those that do not defer)
     priority = place if ranked and token_ids else None
     with service.engine_lock():
         hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0

@@ -20,14 +20,18 @@ from .responses_input import chat_fields
 
 def question_of(body: dict) -> dict | None:
     """The question for the request's (first) prompt, with the model it names (a LoRA adapter's
-    blocks are its own) and the priority it defers itself by (vLLM's `priority`, above 0); None
-    when it has none the router can read (the replica then says what is wrong with it)."""
+    blocks are its own), the priority it defers itself by (vLLM's `priority`, above 0) and its
+    `service_tier` where it asks "flex" (a replica whose queue goes by priority defers it further:
+    service_tiers.py); None when it has none the router can read (the replica then says what is
+    wrong with it)."""
     question = prompt_question(body)
     if question is not None and isinstance(body.get("model"), str):
         question["model"] = body["model"]
     priority = body.get("priority")
     if question is not None and isinstance(priority, int) and not isinstance(priority, bool) and priority > 0:
         question["priority"] = priority  # a request that defers itself waits behind more under a priority queue
+    if question is not None and body.get("service_tier") == "flex":  # (any other tier is served as default)
+        question["service_tier"] = "flex"
     key = body.get("prompt_cache_key")  # OpenAI's: the client's grouping of prompts that share a prefix
     if question is not None and isinstance(key, str) and key:
         question["cache_key"] = key

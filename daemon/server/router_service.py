@@ -48,6 +48,7 @@ from .silent_replicas import GIVE_UP_SILENT_S, PROBE_EVERY_S
 from .reply_ids import REPLY_IDS_BYTES, ReplyIds
 from .router_replies import ResponseReplyWatch, ReplyWatch, keeper, token_ids
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
+from .service_tiers import FLEX_DEFERRAL
 
 log = logging.getLogger("kvd.router")
 T = TypeVar("T")
@@ -516,6 +517,8 @@ class RouterService:
                 memo["ids", digest, template_digest, tenant] = local_ids(question, tokenizer, template, replies)
             ids = memo["ids", digest, template_digest, tenant]
         priority = question.get("priority", 0) if question is not None else 0  # (a deferral, question_of's)
+        if question is not None and question.get("service_tier") == "flex":  # (a place only a priority queue has)
+            priority += FLEX_DEFERRAL
         if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
             return Local(view.facts(0, replica.open, tenant=tenant, priority=priority), [], 0)
         name = (tenant, *sorted(namespace.items()))
