@@ -191,6 +191,10 @@ def serve(
     predicted_outputs: Optional[str] = typer.Option(
         None, help="honour (a chat's prediction, OpenAI's Predicted Outputs, is drafted ahead of its reply) or "
                    "ignore (it is served as a chat without one). Live on a reload."),
+    prediction_max_batch: Optional[int] = typer.Option(
+        None, help="Draft a chat's prediction only while at most this many sequences run (a full batch is "
+                   "compute-bound: checking guesses costs more than it saves). Default: at any batch size. "
+                   "Live on a reload."),
     tenant_prompt_cache_retention: Optional[str] = typer.Option(
         None, help="Per-tenant settings overriding --prompt-cache-retention, e.g. acme=honour,free=ignore. "
                    "Live on a reload."),
@@ -316,6 +320,7 @@ def serve(
                    tenant_priorities=tenant_priorities,
                    trusted_proxy=trusted_proxy, report_cached_tokens=report_cached_tokens,
                    prompt_cache_retention=prompt_cache_retention, predicted_outputs=predicted_outputs,
+                   prediction_max_batch=prediction_max_batch,
                    tenant_prompt_cache_retention=tenant_prompt_cache_retention, cache_dtype=cache_dtype,
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
@@ -364,7 +369,8 @@ SERVE_HELP_PANELS = {
                          "log_requests", "log_stats_interval"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",
                            "quick_prefill_tokens",
-                           "max_running", "speculative_config", "predicted_outputs", "reservation", "eviction",
+                           "max_running", "speculative_config", "predicted_outputs", "prediction_max_batch",
+                           "reservation", "eviction",
                            "pin_budget_blocks",
                            "pin_room_tokens", "prompt_cache_breakpoints", "prompt_cache_explicit_tenants"),
     "Admission and tenants": ("max_queue", "max_queue_wait", "max_tenant_requests", "tenant_request_limits",

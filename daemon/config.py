@@ -219,6 +219,9 @@ class KvdConfig:
     # honour: a chat's `prediction` (OpenAI's Predicted Outputs) is drafted ahead of its reply
     # (engine/speculative.py); ignore: it is served as a chat without one
     predicted_outputs: str = "honour"
+    # a chat's prediction is drafted only while at most this many sequences run (vLLM's speculative
+    # disable_by_batch_size, for predictions: a full batch is compute-bound); None: at any batch size
+    prediction_max_batch: int | None = None
     # per-tenant settings that override it: "acme=honour,free=ignore" (YAML: a mapping)
     tenant_prompt_cache_retention: tuple[tuple[str, str], ...] = ()
     # kvd's log while it serves (server/request_log.py), both live on a reload: a logfmt line per finished
@@ -434,6 +437,7 @@ _PARSERS = {
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
     "batch_concurrency": whole_number,
     "max_queue": whole_number, "max_queue_wait": finite_number, "max_loras": whole_number,
+    "prediction_max_batch": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
     "max_tracked_tenants": whole_number, "trace_requests": whole_number,
     "trace_block_tokens": whole_number,
@@ -465,7 +469,7 @@ def _check(name: str, value: Any) -> None:
     if name == "block_size" and value not in (8, 16, 32, 64, 128, 256):
         raise ValueError("must be one of 8, 16, 32, 64, 128, 256")
     if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory", "max_tenant_requests",
-                "max_tracked_tenants", "max_model_len", "max_loras", "batch_concurrency") \
+                "max_tracked_tenants", "max_model_len", "max_loras", "batch_concurrency", "prediction_max_batch") \
             and value is not None and value < 1:
         raise ValueError("must be >= 1")
     if name in ("pin_budget_blocks", "pin_room_tokens", "quick_prefill_tokens", "max_tenant_metric_series", "trace_requests") \

@@ -127,6 +127,26 @@ def test_speculative_config_s_k_caps_a_prediction_s_drafts_and_prompt_lookup_fil
     assert plain == reply and request.metrics.predicted_tokens == 0
 
 
+def test_predictions_are_drafted_only_while_at_most_prediction_max_batch_sequences_run(demo):
+    """An operator's prediction_max_batch (vLLM's disable_by_batch_size, for predictions): two samples
+    running, a limit of one drafts nothing from the prediction, a limit of two drafts as before; prompt
+    lookup's drafts go on past it. Each reply is the one without drafts."""
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.policies.speculation import NgramSpeculation
+
+    params = SamplingParams(**GREEDY_PARAMS, n=2)
+    plain, steps, _, _ = run(demo, params)
+    predicted = replace(params, prediction=tuple(plain[0]))
+    over, over_steps, request, engine = run(demo, predicted, prediction_max_batch=1)
+    assert over == plain and over_steps == steps == 40 and request.metrics.predicted_tokens == 0
+    assert engine.speculator.predicted.drafts == 0
+    within, fast, request, _ = run(demo, predicted, prediction_max_batch=2)
+    assert within == plain and fast < 10
+    assert request.metrics.kept_predicted_tokens == request.metrics.predicted_tokens > 0
+    looked_up, _, request, engine = run(demo, predicted, NgramSpeculation(2), prediction_max_batch=1)
+    assert looked_up == plain and request.metrics.predicted_tokens == 0 and engine.speculator.stats.drafts > 0
+
+
 def test_a_prediction_s_token_ids_are_checked_by_the_engine(demo):
     from kvctl.daemon.engine.sampling import RequestError, SamplingParams
 
@@ -234,7 +254,16 @@ def test_predicted_outputs_ignore_serves_a_chat_with_a_prediction_as_one_without
     finally:
         service.reload(replaced(service.config, predicted_outputs="honour"), actor="test")
     assert "completion_tokens_details" in chat(app, prediction={"type": "content", "content": text})["usage"]
-    assert "predicted_outputs" in LIVE_SETTINGS
+    assert {"predicted_outputs", "prediction_max_batch"} <= set(LIVE_SETTINGS)
+    service.reload(replaced(service.config, prediction_max_batch=4), actor="test")
+    try:
+        assert service.engine.speculator.prediction_max_batch == 4
+    finally:
+        service.reload(replaced(service.config, prediction_max_batch=None), actor="test")
+    assert service.engine.speculator.prediction_max_batch is None
+    with pytest.raises(ConfigError) as refused:
+        resolve({"prediction_max_batch": 0}, env={})
+    assert str(refused.value) == "prediction_max_batch: invalid value 0 from --prediction-max-batch: must be >= 1"
     with pytest.raises(ConfigError) as refused:
         resolve({"predicted_outputs": "off"}, env={})
     assert str(refused.value) == ("predicted_outputs: invalid value 'off' from --predicted-outputs: must be honour "

@@ -115,6 +115,9 @@ class EngineSettings:
     max_model_len: int | None = None
     # speculative decoding by prompt lookup (vLLM's speculative_config, method ngram); None: off
     speculation: NgramSpeculation | None = None
+    # requests' predictions (OpenAI's Predicted Outputs) are drafted only while at most this many
+    # sequences run; None: at any batch size
+    prediction_max_batch: int | None = None
     # a model whose every layer slides a window: give back each sequence's blocks before its window
     # (False keeps them all, as for full attention: `kvctl bench window`'s baseline)
     release_window_blocks: bool = True
@@ -241,7 +244,8 @@ class Engine:
         self.lora_turn_waiters: set[str] = set()
         self.tiers = None  # a TieredCache once attach_tiers() is called
         self.prefetch = prefetch_wait(settings)
-        self.speculator = Speculator(settings.speculation)  # drafts when settings.speculation is set
+        # drafts where settings.speculation is set, or a request has a prediction
+        self.speculator = Speculator(settings.speculation, settings.prediction_max_batch)
 
     def attach_tiers(self, tiers) -> None:
         """Demote evicted blocks into `tiers` and restore prefixes from them (see daemon.cache.tiers)."""

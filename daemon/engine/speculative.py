@@ -59,15 +59,19 @@ class SpeculationStats:
 class Speculator:
     """Drafts for the engine's decoding sequences and the verdict on them."""
 
-    def __init__(self, config: NgramSpeculation | None) -> None:
+    def __init__(self, config: NgramSpeculation | None, prediction_max_batch: int | None = None) -> None:
         self.stats = SpeculationStats()  # prompt lookup's drafts (speculative_config)
         self.predicted = SpeculationStats()  # requests' predictions' drafts, apart: the callers chose them
         self.config: NgramSpeculation | None = None
-        self.configure(config)
+        self.prediction_max_batch: int | None = None
+        self.configure(config, prediction_max_batch)
 
-    def configure(self, config: NgramSpeculation | None) -> None:
-        """Serve `config` from the next step on (None: no drafts); the totals carry on."""
+    def configure(self, config: NgramSpeculation | None, prediction_max_batch: int | None = None) -> None:
+        """Serve `config` from the next step on (None: no drafts), and draft requests' predictions
+        only while at most `prediction_max_batch` sequences run (None: at any batch size); the
+        totals carry on."""
         self.config = config
+        self.prediction_max_batch = prediction_max_batch
         if config is not None:
             self._count_positions(self.stats, config.num_speculative_tokens)
 
@@ -81,7 +85,8 @@ class Speculator:
         """Up to k draft tokens for `seq` (which decodes this step), within `budget` rows and its
         own max_tokens (the step gives at most one token more than the draft); [] for none. A
         request with a prediction drafts from it first (PREDICTION_TOKENS at most, or the
-        speculation's k), by prompt lookup where the reply is not found in it."""
+        speculation's k; none while more than `prediction_max_batch` sequences run), by prompt
+        lookup where the reply is not found in it."""
         override = seq.request.speculation
         config = self.config if override is None else override.config
         seq.drafted_from_prediction = False
@@ -90,7 +95,7 @@ class Speculator:
             return []
         left = seq.request.params.max_tokens - len(seq.output_ids) - 1
         prediction = seq.request.params.prediction
-        if prediction:
+        if prediction and (self.prediction_max_batch is None or running <= self.prediction_max_batch):
             k = PREDICTION_TOKENS if config is None else config.num_speculative_tokens
             if seq.prediction is None:
                 seq.prediction = PredictionLookup(prediction)

@@ -35,7 +35,8 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait
                  "prefetch_policy",
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
                  "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
-                 "prompt_cache_retention", "tenant_prompt_cache_retention", "predicted_outputs", "log_requests",
+                 "prompt_cache_retention", "tenant_prompt_cache_retention", "predicted_outputs", "prediction_max_batch",
+                 "log_requests",
                  "prompt_cache_breakpoints", "prompt_cache_explicit_tenants",
                  "batch_concurrency", "batch_via", "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
                  "log_stats_interval",
@@ -261,10 +262,11 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                                       tenant_cache_shares=new.tenant_cache_shares,
                                       max_tracked_tenants=new.max_tracked_tenants,
                                       hit_curve_tenants=new.hit_curve_tenants,
-                                      speculation=speculation_of(new.speculative_config), **prefetch_settings(new))
+                                      speculation=speculation_of(new.speculative_config),
+                                      prediction_max_batch=new.prediction_max_batch, **prefetch_settings(new))
             engine.prefetch = prefetch_wait(engine.settings)
             engine.cache.step_tokens = new.max_batch_tokens  # what a sliding-window sequence holds beside its window
-            engine.speculator.configure(engine.settings.speculation)
+            engine.speculator.configure(engine.settings.speculation, engine.settings.prediction_max_batch)
             engine.stats.tenants.resize(new.max_tracked_tenants)
             if engine.cache.hit_curve is not None:
                 engine.cache.hit_curve.tenants.resize(new.max_tracked_tenants)

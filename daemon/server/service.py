@@ -343,7 +343,8 @@ class EngineService:
                                   tenant_cache_shares=cfg.tenant_cache_shares,
                                   max_tracked_tenants=cfg.max_tracked_tenants, max_model_len=cfg.max_model_len,
                                   hit_curve=cfg.hit_curve, hit_curve_tenants=cfg.hit_curve_tenants,
-                                  speculation=speculation_of(cfg.speculative_config), **prefetch_settings(cfg))
+                                  speculation=speculation_of(cfg.speculative_config),
+                                  prediction_max_batch=cfg.prediction_max_batch, **prefetch_settings(cfg))
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         timer.mark("cache")
         engine.stats.tenants.keep = self.tenant_labels.has_own  # a tenant's own metric series never shrinks
