@@ -198,7 +198,9 @@ def render_status(data: dict, console: Console | None = None):
     if predicted and predicted["drafts"]:
         facts.add_row("predictions", f"{predicted['accepted_tokens']:,} of {predicted['draft_tokens']:,} tokens "
                                      f"drafted from requests' predictions kept ({predicted['acceptance_rate']:.0%}), "
-                                     f"{predicted['mean_accepted_length']:.2f} tokens a step where one ran")
+                                     f"{predicted['mean_accepted_length']:.2f} tokens a step where one ran"
+                                     + (f"; drafted while at most {predicted['max_batch']:,} sequences run"
+                                        if predicted.get("max_batch") else ""))
     if data.get("tiers"):
         facts.add_row("restored", f"{tokens.get('restored', 0):,} prompt tokens from lower tiers (part of the hits)")
         facts.add_row("tiers", "  ".join(

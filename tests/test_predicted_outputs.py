@@ -258,6 +258,17 @@ def test_predicted_outputs_ignore_serves_a_chat_with_a_prediction_as_one_without
     service.reload(replaced(service.config, prediction_max_batch=4), actor="test")
     try:
         assert service.engine.speculator.prediction_max_batch == 4
+        chat(app, prediction={"type": "content", "content": text})  # (one sequence: drafted)
+        status = call(app, "GET", "/admin/status").json()
+        assert status["speculation"]["prediction"]["max_batch"] == 4
+        from rich.console import Console
+
+        from kvctl.status_view import render_status
+
+        shown = Console(width=240, record=True)
+        render_status(status, shown)
+        assert "tokens a step where one ran; drafted while at most 4 sequences run" in " ".join(
+            shown.export_text().split())
     finally:
         service.reload(replaced(service.config, prediction_max_batch=None), actor="test")
     assert service.engine.speculator.prediction_max_batch is None

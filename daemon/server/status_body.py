@@ -122,9 +122,12 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             # requests admitted while an earlier arrival still waited (queue_order lpm or priority, ...)
             "admitted_ahead": stats.admitted_ahead,
             # speculative decoding (engine/speculative.py): the config served (None: off) and its totals
-            # and, apart, the drafts of requests' predictions (a chat's `prediction`), counted alike
+            # and, apart, the drafts of requests' predictions (a chat's `prediction`), counted alike, with
+            # the most sequences running that they are drafted beside (prediction_max_batch; None: any)
             "speculation": {"config": None if engine.speculator.config is None else engine.speculator.config.describe(),
-                            **engine.speculator.stats.describe(), "prediction": engine.speculator.predicted.describe()},
+                            **engine.speculator.stats.describe(), "prediction": {
+                                **engine.speculator.predicted.describe(),
+                                "max_batch": engine.speculator.prediction_max_batch}},
             # model steps by kind and their summed wall time: Δseconds / Δwall is how busy the engine is
             "steps": {kind: {"count": stats.steps[kind], "seconds": stats.step_seconds[kind]}
                       for kind in sorted(stats.steps)},
