@@ -49,7 +49,7 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", r
     # makes each tenant's by `priority_waiting` (`priority_lpm_waiting`) and `tenant_queue_waits`
     ranked = by_priority(engine.settings.queue_order)
     place = service.queue_priority(tenant, requested)  # (checked whatever the order: kvd would refuse it)
-    place -= deferral(served_tier(tier, service.config.queue_order))  # (flex: behind those that do not defer)
+    place -= deferral(served_tier(tier, engine.settings.queue_order))  # (flex: behind those that do not defer)
     priority = place if ranked and token_ids else None
     with service.engine_lock():
         hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
