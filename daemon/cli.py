@@ -136,8 +136,16 @@ def serve(
         None, help="OpenAI's webhooks when a batch or background response ends: TENANT URL SECRET lines (* for "
                    "every tenant not named; secrets from kvd webhook-secret), mode 0600 or 0640. Re-read on reload."),
     batch_via: Optional[str] = typer.Option(
-        None, help="A kvd router's Unix socket: /v1/batches' requests go through it, spread across its fleet by "
-                   "their prompts (default: served here). Live on a reload."),
+        None, help="A kvd router's Unix socket, or the http(s) URL of its TCP front (run with --trusted-proxy): "
+                   "/v1/batches' requests go through it, spread across its fleet by their prompts (default: served "
+                   "here). Live on a reload."),
+    batch_via_token_file: Optional[str] = typer.Option(
+        None, help="A --batch-via URL's bearer token: an admin token of the router's clients file (mode 0600 or "
+                   "0640; read again on a reload)."),
+    batch_via_ca_file: Optional[str] = typer.Option(
+        None, help="CAs an https --batch-via URL's certificate is checked against (default: the system's)."),
+    batch_via_client_cert: Optional[str] = typer.Option(
+        None, help="kvd's certificate and key (PEM) for a --batch-via router that asks for one."),
     max_file_bytes: Optional[str] = typer.Option(
         None, help="Largest file POST /v1/files takes, e.g. 200MiB (413 above; default 200MiB). Live on a reload."),
     files_store_bytes: Optional[str] = typer.Option(
@@ -310,7 +318,9 @@ def serve(
                    max_queue=max_queue, max_queue_wait=max_queue_wait, max_tenant_requests=max_tenant_requests,
                    tenant_request_limits=tenant_request_limits, tenant_queue_waits=tenant_queue_waits,
                    max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
-                   batch_concurrency=batch_concurrency, batch_via=batch_via, webhooks_file=webhooks_file, max_file_bytes=max_file_bytes,
+                   batch_concurrency=batch_concurrency, batch_via=batch_via, batch_via_token_file=batch_via_token_file,
+                   batch_via_ca_file=batch_via_ca_file, batch_via_client_cert=batch_via_client_cert,
+                   webhooks_file=webhooks_file, max_file_bytes=max_file_bytes,
                    files_store_bytes=files_store_bytes, tenant_files_bytes=tenant_files_bytes,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
                    conversations_store_bytes=conversations_store_bytes, truncation_headroom=truncation_headroom,
@@ -362,7 +372,8 @@ SERVE_HELP_PANELS = {
                          "socket_path", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
                          "trusted_proxy", "max_request_bytes",
                          "responses_store_bytes", "responses_store_file", "responses_max_age", "batch_concurrency",
-                         "batch_via", "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
+                         "batch_via", "batch_via_token_file", "batch_via_ca_file", "batch_via_client_cert",
+                         "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
                          "conversations_store_bytes", "reply_ids_bytes", "truncation_headroom",
                          "shutdown_timeout", "engine_stall_exit_seconds", "gc_freeze", "gc_warn_seconds",
                          "log_level", "log_format",
@@ -585,6 +596,9 @@ def router(
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --clients-file)."),
     clients_file: Optional[str] = typer.Option(None, help="The TCP callers' tokens: TOKEN TENANT ROLE lines, "
                                                "as kvd's --token-file (mode 0600 or 0640); SIGHUP reloads it."),
+    trusted_proxy: Optional[bool] = typer.Option(
+        None, help="Serve a TCP caller's request under the X-KVD-Tenant it names (default: its token's tenant): "
+                   "its callers are trusted front ends, or kvds whose --batch-via is this router's URL."),
     ssl_certfile: Optional[str] = typer.Option(None, help="Serve --listen over TLS with this certificate chain "
                                                "(PEM); SIGHUP reads it again, as kvd serve's."),
     ssl_keyfile: Optional[str] = typer.Option(None, help="Its private key (default: in --ssl-certfile)."),
@@ -645,7 +659,8 @@ def router(
             prefill_rate=prefill_rate, queue_limits=queue_limits, view=view, load_interval=load_interval,
             pending_seconds=pending_seconds, reply_ids_bytes=reply_ids_bytes, max_file_bytes=max_file_bytes,
             silent_give_up_seconds=silent_give_up_seconds, silent_probe_seconds=silent_probe_seconds,
-            token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
+            token_file=token_file, listen=listen, clients_file=clients_file, trusted_proxy=trusted_proxy,
+            gc_freeze=gc_freeze,
             gc_warn_seconds=gc_warn_seconds, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             ssl_ca_certs=ssl_ca_certs, replica_ca_certs=replica_ca_certs, replica_client_cert=replica_client_cert,
             replica_client_key=replica_client_key, log_requests=log_requests,
@@ -683,6 +698,7 @@ def router(
         service.gc_pauses.warn_seconds = lambda: settings.gc_warn_seconds or None
         service.tls = tls
         service.log_requests = settings.log_requests
+        service.trusted_proxy = settings.trusted_proxy
         processor = span_processor(settings.otlp_traces_endpoint)
         if processor is not None:
             service.route_spans = RouteSpans(processor)

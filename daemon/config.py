@@ -281,9 +281,13 @@ class KvdConfig:
     responses_store_bytes: int = 64 * 2**20
     # requests of /v1/batches served at once, across every tenant's batches (each batch's in turn)
     batch_concurrency: int = 8
-    # a kvd router's Unix socket: a batch's requests are sent through it, spread across its fleet by their
-    # prompts, as the batch's tenant (the socket's callers are trusted); None: served by this kvd alone
+    # a kvd router: a batch's requests are sent through it, spread across its fleet by their prompts, as the
+    # batch's tenant: its Unix socket (whose callers are trusted), or the http(s) URL of its TCP front (run with
+    # --trusted-proxy), reached as the three settings after it say (server/batch_via.py); None: served here alone
     batch_via: str | None = None
+    batch_via_token_file: str | None = None  # a URL's bearer token: an admin token of the router's clients_file
+    batch_via_ca_file: str | None = None  # CAs an https URL's certificate is checked against (default: the system's)
+    batch_via_client_cert: str | None = None  # kvd's certificate and key (PEM) for a router that asks for one
     # OpenAI's webhooks when a batch or a background response ends: TENANT URL SECRET lines, * for every tenant
     # not named (server/webhooks.py); re-read on reload; None: none sent
     webhooks_file: str | None = None
@@ -478,9 +482,10 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 0")
     if name == "trace_block_tokens" and value not in TRACE_BLOCK_SIZES:
         raise ValueError(f"must be one of {', '.join(map(str, TRACE_BLOCK_SIZES))}")
-    if name == "batch_via" and value is not None and (not str(value).startswith("/") or "://" in str(value)):
-        raise ValueError("must be the path of a kvd router's Unix socket (its TCP front serves each token's "
-                         "tenant, not the batch's)")
+    if name == "batch_via" and value is not None and not (
+            str(value).startswith("/") or (str(value).startswith(("http://", "https://"))
+                                           and urllib.parse.urlsplit(str(value)).hostname)):
+        raise ValueError("must be a kvd router's Unix socket (a path) or the http(s) URL of its TCP front")
     if name in ("max_request_bytes", "max_file_bytes") and value < 4096:
         raise ValueError("must be at least 4KiB")
     if name == "files_store_bytes" and value < 0:
@@ -722,6 +727,7 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     check_tls_settings(config)
     check_traces_protocol(config, env)
     check_priorities(config)
+    check_batch_via(config)
     if config.hit_curve_tenants and not config.hit_curve:
         raise ConfigError(f"hit_curve_tenants: set (from {config.sources.get('hit_curve_tenants', 'the config')}) "
                           "but hit_curve is false: the tenants are followed beside the curve; set hit_curve: true")
@@ -759,6 +765,19 @@ def check_tls_settings(config) -> None:
         if getattr(config, name) and not config.ssl_certfile:
             raise ConfigError(f"{name}: set (from {where(name)}) but ssl_certfile is not: TLS needs the server's "
                               "certificate (--ssl-certfile)")
+
+
+def check_batch_via(config: KvdConfig) -> None:
+    """A batch_via URL needs a token; the settings of one serve nothing for a socket, or none."""
+    url = config.batch_via is not None and config.batch_via.startswith(("http://", "https://"))
+    if url and not config.batch_via_token_file:
+        raise ConfigError(f"batch_via: {redact_url(config.batch_via)!r} (from "
+                          f"{config.sources.get('batch_via', 'the config')}) is a router's TCP front, which takes a "
+                          "bearer token: set batch_via_token_file (an admin token of its clients_file)")
+    for name in ("batch_via_token_file", "batch_via_ca_file", "batch_via_client_cert"):
+        if getattr(config, name) and not url:
+            raise ConfigError(f"{name}: set (from {config.sources.get(name, 'the config')}) but batch_via is not "
+                              "the URL of a kvd router's TCP front: it serves nothing")
 
 
 def check_priorities(config: KvdConfig) -> None:

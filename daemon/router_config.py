@@ -58,6 +58,9 @@ class RouterConfig:
     token_file: str | None = None  # an admin bearer token for URL replicas
     listen: str | None = None  # HOST:PORT for TCP callers (needs clients_file)
     clients_file: str | None = None  # the TCP callers' tokens: TOKEN TENANT ROLE lines
+    # the TCP front serves a request under the X-KVD-Tenant it names (as kvd's trusted_proxy): its callers are
+    # trusted front ends, or kvds sending their batches' requests through it (batch_via); else the token's tenant
+    trusted_proxy: bool = False
     ssl_certfile: str | None = None  # TLS on the TCP front, as kvd serve's (server/tls.py)
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
@@ -86,6 +89,7 @@ _PARSERS = {"replicas": _replicas, "prefill_replicas": _replicas, "decode_replic
             "prefill_rate": finite_number, "load_interval": finite_number, "pending_seconds": finite_number,
             "silent_give_up_seconds": finite_number, "silent_probe_seconds": finite_number,
             "gc_freeze": on_or_off, "gc_warn_seconds": finite_number, "log_requests": on_or_off,
+            "trusted_proxy": on_or_off,
             "reply_ids_bytes": size_in_bytes, "max_file_bytes": size_in_bytes}
 
 

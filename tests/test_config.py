@@ -49,8 +49,15 @@ def test_precedence_flag_env_file_default(tmp_path):
     ({}, {"KVD_MAX_LORAS": "0"}, "max_loras: invalid value '0' from KVD_MAX_LORAS: must be >= 1"),
     ({"max_request_bytes": "1KiB"}, {}, "max_request_bytes: invalid value '1KiB' from --max-request-bytes: "
                                         "must be at least 4KiB"),
-    ({"batch_via": "http://router:8000"}, {}, "batch_via: invalid value 'http://router:8000' from --batch-via: must "
-     "be the path of a kvd router's Unix socket (its TCP front serves each token's tenant, not the batch's)"),
+    ({"batch_via": "router:8000"}, {}, "batch_via: invalid value 'router:8000' from --batch-via: must be a kvd "
+     "router's Unix socket (a path) or the http(s) URL of its TCP front"),
+    ({"batch_via": "https://"}, {}, "batch_via: invalid value 'https://' from --batch-via: must be a kvd"),
+    ({"batch_via": "https://router:8443"}, {}, "batch_via: 'https://router:8443' (from --batch-via) is a router's "
+     "TCP front, which takes a bearer token: set batch_via_token_file (an admin token of its clients_file)"),
+    ({"batch_via": "/run/kvd/router.sock"}, {"KVD_BATCH_VIA_CA_FILE": "/etc/ca.pem"}, "batch_via_ca_file: set (from "
+     "KVD_BATCH_VIA_CA_FILE) but batch_via is not the URL of a kvd router's TCP front: it serves nothing"),
+    ({"batch_via_token_file": "/etc/kvd/router-token"}, {}, "batch_via_token_file: set (from "
+     "--batch-via-token-file) but batch_via is not the URL"),
     ({"max_file_bytes": "2KiB"}, {}, "max_file_bytes: invalid value '2KiB' from --max-file-bytes: must be at least "
                                      "4KiB"),
     ({}, {"KVD_FILES_STORE_BYTES": "-1"}, "files_store_bytes: invalid value '-1' from KVD_FILES_STORE_BYTES: must be "
@@ -233,6 +240,9 @@ def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_pa
     assert patient.sources["silent_give_up_seconds"] == "KVD_ROUTER_SILENT_GIVE_UP_SECONDS"
     assert from_file.max_file_bytes == 200 * 2**20  # as kvd serve's
     assert resolve_router({"max_file_bytes": "1GiB"}, {}, path).max_file_bytes == 2**30
+    assert from_file.trusted_proxy is False  # (a TCP caller is served as its token's tenant)
+    trusting = resolve_router({}, {"KVD_ROUTER_TRUSTED_PROXY": "true"}, path)
+    assert (trusting.trusted_proxy, trusting.sources["trusted_proxy"]) == (True, "KVD_ROUTER_TRUSTED_PROXY")
 
 
 @pytest.mark.parametrize("text, flags, message", [

@@ -2110,3 +2110,32 @@ def test_kvctl_audit_at_the_router_lists_every_replica_s_records_newest_first(re
     assert [(e["replica"], e["action"]) for e in half.json()["entries"]] == [("replica-0", "pin")]
     assert half.json()["message"] == "not listed: replica-1 (ConnectError: connection refused)"
     assert _kvctl_prints(["audit"], half.json()).splitlines()[-1] == half.json()["message"]
+
+
+def test_a_tcp_front_with_trusted_proxy_serves_the_tenant_a_caller_names_and_says_so(replicas):
+    """kvd router --trusted-proxy: its TCP callers are trusted front ends (or kvds sending their
+    batches' requests through it), so a request is served as the X-KVD-Tenant it names, and one
+    naming none as its token's; /router/status says which rule the TCP front keeps."""
+    from kvctl.daemon.server.auth import TokenEntry, TokenTable
+
+    tokens = TokenTable([TokenEntry(b"a" * 24, "ops", "admin", "token:1")])
+    service, _ = router_app(replicas, "round_robin")
+    app = create_router_app(service, front="tcp", tokens=tokens)
+    admin = {"Authorization": "Bearer " + "a" * 24}
+    system = "A trusted front end names the tenant of each request it passes on to the router. " * 2
+    before = drive(app, [lambda c: c.get("/router/status", headers=admin)])[0].json()
+    service.trusted_proxy = True
+    answers = drive(app, [
+        lambda c: c.get("/router/status", headers=admin),
+        lambda c: c.post("/v1/completions", json={"prompt": system, "max_tokens": 1},
+                         headers={**admin, "X-KVD-Tenant": "globex"}),
+        lambda c: c.post("/v1/completions", json={"prompt": system + "Q?", "max_tokens": 1}, headers=admin),
+    ])
+    assert before["trusted_proxy"] is False and answers[0].json()["trusted_proxy"] is True
+    named, unnamed = (int(a.headers["x-kvd-replica"][-1]) for a in answers[1:])
+    assert named != unnamed  # (round robin)
+    asked = [drive(replicas[replica], [lambda c, t=t: c.post("/admin/route-facts", json={"text": text, "tenant": t})
+                                       for t in ("globex", "ops", "default")])
+             for replica, text in ((named, system), (unnamed, system + "Q?"))]
+    assert [[f.json()["cached_tokens"] > 0 for f in facts] for facts in asked] == [[True, False, False],
+                                                                                  [False, True, False]]

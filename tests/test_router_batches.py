@@ -303,3 +303,164 @@ def test_at_the_router_kvctl_webhooks_shows_each_replica_s_and_a_retry_reaches_e
         "started 0 delivered, 0 tries failed, 0 dropped")
     assert retried["retried"] == 0 and retried["result"] == "ok"
     assert [(r["replica"], r["retried"]) for r in retried["replicas"]] == [("replica-0", 0), ("replica-1", 0)]
+
+
+ROUTER_URL = "https://router.fleet.example:8443"
+BATCH_TOKEN, USER_TOKEN = "b" * 32, "u" * 32  # of the router's clients_file: an admin's, a user's
+
+
+class Paths(httpx.AsyncBaseTransport):
+    """The router's TCP front, noting the path of each request it is sent."""
+
+    def __init__(self, app) -> None:
+        self.inner, self.paths = httpx.ASGITransport(app=app), []
+
+    async def handle_async_request(self, request):
+        self.paths.append(request.url.path)
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.fixture
+def tcp_fleet(tmp_path):
+    """Two replicas, the first sending its batches' requests to a kvd router's TCP front
+    (batch_via a URL, with a token file), and that router (round robin, not yet trusted_proxy):
+    (services, router service, its TCP front as Paths, tallies)."""
+    from kvctl.daemon.server.app import create_app
+    from kvctl.daemon.server.auth import TokenEntry, TokenTable
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService
+    from kvctl.policies.routing import make_router
+
+    from .daemon_fixtures import start_service
+    from .test_router import replica_client
+
+    token_file = tmp_path / "router-token"
+    token_file.write_text(BATCH_TOKEN + "\n")
+    token_file.chmod(0o600)
+    services = [start_service(tmp_path / f"r{i}", num_blocks=64, **(
+        {"batch_via": ROUTER_URL, "batch_via_token_file": str(token_file)} if i == 0 else {})) for i in range(2)]
+    try:
+        tallies = [Tally(create_app(s, s.metrics, front="unix")) for s in services]
+        fleet = [Replica(f"replica-{i}", replica_client(f"/run/replica-{i}.sock", transport=t))
+                 for i, t in enumerate(tallies)]
+        router = RouterService(fleet, make_router("round_robin"), view="ask", load_interval=0.05)
+        tokens = TokenTable([TokenEntry(BATCH_TOKEN.encode(), "ops", "admin", "token:1"),
+                             TokenEntry(USER_TOKEN.encode(), "acme", "user", "token:2")])
+        front = Paths(create_router_app(router, front="tcp", tokens=tokens))
+        services[0].batches.transport_to = lambda via: front
+        yield services, router, front, tallies
+    finally:
+        for service in services:
+            service.shutdown(deadline=5)
+
+
+def test_a_batch_via_a_routers_url_waits_until_it_serves_lines_as_their_tenant_then_goes_through_it(
+        tcp_fleet, caplog):
+    """batch_via a router's TCP front: its lines carry the token of batch_via_token_file; while
+    the router would serve them as that token's tenant (no --trusted-proxy) none is sent, each
+    waiting with a WARNING that says why; once it serves them as the batch's tenant they go,
+    its word asked once, not a line at a time."""
+    from .daemon_fixtures import call
+
+    services, router, front, tallies = tcp_fleet
+    home = services[0].batches.lines_app
+
+    async def go():
+        transport = httpx.ASGITransport(app=home)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
+            uploaded = await client.post("/v1/files", files={"file": ("in.jsonl", lines(4, "System via TCP."))},
+                                         data={"purpose": "batch"}, headers={"X-KVD-Tenant": "acme"})
+            made = await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT,
+                                                          "completion_window": "24h"}, headers={"X-KVD-Tenant": "acme"})
+            for _ in range(200):  # until every line has been refused a first time, and tried again
+                if front.paths.count("/router/status") >= 8:
+                    break
+                await asyncio.sleep(0.05)
+            waiting = (await client.get(f"/v1/batches/{made.json()['id']}", headers={"X-KVD-Tenant": "acme"})).json()
+            asked_while_refused = len(front.paths)
+            router.trusted_proxy = True
+            done = await ended_as(client, made.json()["id"], "acme")
+            return waiting, asked_while_refused, done.json()
+
+    with caplog.at_level("WARNING", logger="kvd"):
+        waiting, asked_while_refused, done = asyncio.run(go())
+    assert waiting["status"] == "in_progress" and waiting["request_counts"]["completed"] == 0
+    assert set(front.paths[:asked_while_refused]) == {"/router/status"}  # (no line went while refused)
+    unsent = [r.getMessage() for r in caplog.records if "was not sent" in r.getMessage()]
+    assert unsent[0] == (f"batch {done['id']}: a request was not sent to kvd router at {ROUTER_URL}: kvd router at "
+                         f"{ROUTER_URL} serves a TCP caller's request under its token's tenant, not the batch's: "
+                         "start it with --trusted-proxy (trusted_proxy: true); it is served again")
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+    sent = front.paths[asked_while_refused:]
+    assert sent.count(CHAT) == 4 and sent.count("/router/status") <= 4  # (asked until a first yes, then held)
+    assert [len(t.chats) for t in tallies] == [2, 2]
+    assert {tenant for t in tallies for tenant in t.chats} == {"acme"}  # the batch's tenant, not the token's
+    assert call(home, "GET", "/admin/batches").json()["via"] == ROUTER_URL
+
+
+def test_a_routers_word_on_the_tenant_it_serves_lines_as_is_read_from_its_status(tcp_fleet, tmp_path):
+    from kvctl.daemon.server.batch_via import refusal
+
+    services, router, front, _ = tcp_fleet
+
+    async def ask(token: str, app=None):
+        transport = httpx.ASGITransport(app=app) if app is not None else front
+        async with httpx.AsyncClient(transport=transport, base_url=ROUTER_URL,
+                                     headers={"Authorization": f"Bearer {token}"}) as client:
+            return await refusal(client, ROUTER_URL)
+
+    assert asyncio.run(ask("n" * 32)) == f"kvd router at {ROUTER_URL} does not take the token of " \
+                                         "batch_via_token_file (401)"
+    assert asyncio.run(ask(USER_TOKEN)) == (f"kvd router at {ROUTER_URL} gives the token of batch_via_token_file no "
+                                            "admin role (403): give it an admin token of the router's clients_file")
+    assert "start it with --trusted-proxy" in asyncio.run(ask(BATCH_TOKEN))
+    router.trusted_proxy = True
+    assert asyncio.run(ask(BATCH_TOKEN)) is None
+    from kvctl.daemon.server.app import create_app
+
+    replica = create_app(services[1], services[1].metrics, front="unix")  # (a kvd, not a router)
+    assert asyncio.run(ask(BATCH_TOKEN, replica)) == (f"{ROUTER_URL} answered /router/status with 404, not as a "
+                                                      "kvd router")
+
+
+def test_batch_via_s_token_is_read_at_start_and_again_at_a_reload_and_a_bad_one_refused(tmp_path):
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.batch_via import BatchViaError, via_router
+    from kvctl.daemon.server.calls import ServiceError
+
+    from .daemon_fixtures import start_service
+
+    token_file = tmp_path / "router-token"
+    token_file.write_text("first-token-0123456789 # a comment after it\n")
+    token_file.chmod(0o644)
+    settings = {"state_dir": str(tmp_path), "socket": str(tmp_path / "kvd.sock"), "num_blocks": 64,
+                "batch_via": ROUTER_URL, "batch_via_token_file": str(token_file)}
+    with pytest.raises(BatchViaError) as opened:
+        via_router(resolve(settings, env={}))
+    assert str(opened.value) == (f"batch_via_token_file: {str(token_file)!r} is open to every user on the machine "
+                                 f"(mode 0644); restrict it, e.g. chmod 600 {token_file}")
+    token_file.chmod(0o600)
+    bad_ca = tmp_path / "ca.pem"
+    bad_ca.write_text("not a certificate\n")
+    with pytest.raises(BatchViaError) as no_ca:
+        via_router(resolve({**settings, "batch_via_ca_file": str(bad_ca)}, env={}))
+    assert str(no_ca.value).startswith(f"batch_via_ca_file: {str(bad_ca)!r} does not load as CA certificates")
+    service = start_service(tmp_path, batch_via=ROUTER_URL, batch_via_token_file=str(token_file))
+    try:
+        assert (service.batch_via.target, service.batch_via.token) == (ROUTER_URL, "first-token-0123456789")
+        service.config_source = lambda: resolve(settings, env={})
+        token_file.write_text("")
+        with pytest.raises(ServiceError) as refused:
+            service.reload_from_source("test")
+        assert str(refused.value) == (f"reload refused, nothing changed: batch_via_token_file: {str(token_file)!r} "
+                                      "holds no token")
+        assert service.batch_via.token == "first-token-0123456789"
+        token_file.write_text("second-token-0123456789\n")
+        service.reload_from_source("test")
+        assert service.batch_via.token == "second-token-0123456789"
+        service.config_source = lambda: resolve({**settings, "batch_via": "/run/kvd/router.sock",
+                                                 "batch_via_token_file": None}, env={})
+        service.reload_from_source("test")
+        assert (service.batch_via.target, service.batch_via.token) == ("/run/kvd/router.sock", None)
+    finally:
+        service.shutdown(1)

@@ -38,6 +38,7 @@ import httpx
 from kvctl.daemon.whole_file import write_json_whole, write_whole
 
 from .batch_files import FileError, FileStore
+from .batch_via import VIA_CHECK_S, ViaRouter, refusal
 from .log_throttle import EveryFewSeconds
 from .replica_errors import described
 from .batch_lines import ENDPOINTS, BatchLine, prompt_order, read_body, read_lines
@@ -48,7 +49,7 @@ WINDOWS = {"24h": 86_400}  # OpenAI's only completion window
 RETRY_S = 1.0  # a line answered 429 or 503 is served again after this
 SERVED_AGAIN = (429, 503)  # a full queue, kvd asleep, draining or stopping: not the line's fault
 VIA_SERVED_AGAIN = (*SERVED_AGAIN, 502, 504)  # through kvd router, also a replica that failed or went silent
-VIA_CONNECT_S = 5.0  # to connect to the router's socket (a router down: the line is served again later)
+VIA_CONNECT_S = 5.0  # to connect to the router (a router down: the line is served again later)
 ENDED = ("completed", "failed", "expired", "cancelled")
 STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *ENDED)
 ACTIVE = ("in_progress", "finalizing", "cancelling")  # what the supervisor serves or ends
@@ -191,11 +192,11 @@ class Batch:
 class BatchRunner:
     """Every tenant's batches, served `concurrency()` lines at a time through `lines_app` (kvd's
     Unix-socket app: its tenant header names each batch's tenant), or where `via()` names a kvd
-    router's Unix socket, through that router: it spreads them across its fleet by their prompts
-    (the socket's callers are trusted, so the tenant header passes on to the replica)."""
+    router, through that router: it spreads them across its fleet by their prompts, the tenant
+    header passed on to the replica (batch_via.py: over TCP, only by a router that says it does)."""
 
     def __init__(self, folder: str | Path, files: FileStore, concurrency: Callable[[], int],
-                 clock: Callable[[], float] = time.time, via: Callable[[], str | None] = lambda: None,
+                 clock: Callable[[], float] = time.time, via: Callable[[], ViaRouter | None] = lambda: None,
                  on_end: Callable[["Batch"], object] = lambda batch: None) -> None:
         self.folder = Path(folder)
         self.files = files
@@ -204,7 +205,8 @@ class BatchRunner:
         self.via = via
         self.on_end = on_end  # told of each batch that ends (its webhook), from any thread
         self.unsent_warnings = EveryFewSeconds(log)  # (a router down: one line a few seconds, not one a request)
-        self.transport_to = lambda socket: httpx.AsyncHTTPTransport(uds=socket)  # (a router's socket; tests swap it)
+        self.transport_to = lambda via: via.transport()  # (to the router: tests swap it)
+        self.via_checked: dict[ViaRouter, float] = {}  # a URL router's latest word that it serves as the tenant
         self.lines_app = None  # set by create_app(front="unix")
         self.stopping = False  # kvd is stopping: no line is handed out
         self.batches: dict[str, Batch] = {}
@@ -309,14 +311,14 @@ class BatchRunner:
 
     async def _supervise(self) -> None:
         serving: set[asyncio.Task] = set()
-        clients: dict[str | None, httpx.AsyncClient] = {}  # by where lines go: None, here; else a router's socket
+        clients: dict[ViaRouter | None, httpx.AsyncClient] = {}  # by where lines go: None, here; else a router
 
-        def client_for(via: str | None) -> httpx.AsyncClient:
+        def client_for(via: ViaRouter | None) -> httpx.AsyncClient:
             if via not in clients:
-                transport = self.transport_to(via) if via is not None else \
-                    httpx.ASGITransport(app=self.lines_app, raise_app_exceptions=False)  # (a 500, answered)
-                clients[via] = httpx.AsyncClient(transport=transport, base_url="http://kvd-batch",
-                                                 timeout=httpx.Timeout(None, connect=VIA_CONNECT_S))
+                timeout = httpx.Timeout(None, connect=VIA_CONNECT_S)
+                clients[via] = via.client(self.transport_to(via), timeout) if via is not None else \
+                    httpx.AsyncClient(transport=httpx.ASGITransport(app=self.lines_app, raise_app_exceptions=False),
+                                      base_url="http://kvd-batch", timeout=timeout)  # (a 500, answered)
             return clients[via]
 
         try:
@@ -329,7 +331,7 @@ class BatchRunner:
                     if taken is None:
                         break
                     via = self.via()
-                    task = asyncio.create_task(self._serve(client_for(via), *taken, via is not None))
+                    task = asyncio.create_task(self._serve(client_for(via), *taken, via))
                     # (a callback: it runs for a task cancelled before it started too, as at kvd's stop)
                     task.add_done_callback(lambda _, batch=taken[0]: self._ended_one(batch))
                     serving.add(task)
@@ -367,7 +369,7 @@ class BatchRunner:
             return batch, line
         return None
 
-    async def _serve(self, client: httpx.AsyncClient, batch: Batch, line: BatchLine, via_router: bool = False
+    async def _serve(self, client: httpx.AsyncClient, batch: Batch, line: BatchLine, via: ViaRouter | None = None
                      ) -> None:
         request_id = "batch_req_" + uuid.uuid4().hex
         try:
@@ -380,14 +382,20 @@ class BatchRunner:
             return
         body = body if "service_tier" in body else {**body, "service_tier": "flex"}
         try:
-            answer = await client.post(batch.endpoint, json=body,
-                                       headers={"X-KVD-Tenant": batch.tenant, "X-Request-Id": request_id})
-            status = answer.status_code
+            why_not = await self._refusal(client, via) if via is not None and via.over_tcp else None
+            if why_not is not None:  # (it would serve the line as its token's tenant) served again later
+                self.unsent_warnings.warning("batch %s: a request was not sent to kvd router at %s: %s; it is "
+                                             "served again", batch.id, via.target, why_not)
+                status = 503
+            else:
+                answer = await client.post(batch.endpoint, json=body,
+                                           headers={"X-KVD-Tenant": batch.tenant, "X-Request-Id": request_id})
+                status = answer.status_code
         except httpx.HTTPError as exc:  # (kvd's own app, in process: not expected; a router down) served again
             self.unsent_warnings.warning("batch %s: a request could not be sent%s (%s); it is served again", batch.id,
-                                         f" to kvd router at {self.via()}" if via_router else "", described(exc))
+                                         f" to kvd router at {via.target}" if via is not None else "", described(exc))
             status = 503
-        if status in (VIA_SERVED_AGAIN if via_router else SERVED_AGAIN) or self.stopping:  # again later
+        if status in (VIA_SERVED_AGAIN if via is not None else SERVED_AGAIN) or self.stopping:  # again later
             batch.retry.append(line)
             batch.retry_at = self.clock() + RETRY_S
         else:
@@ -399,6 +407,22 @@ class BatchRunner:
             self._note(batch, line, {"id": request_id, "custom_id": line.custom_id,
                                      "response": {"status_code": status, "request_id": request_id, "body": content},
                                      "error": None})
+
+    async def _refusal(self, client: httpx.AsyncClient, via: ViaRouter) -> str | None:
+        """Why the router at a URL would not serve lines as their batch's tenant, asked at most
+        every VIA_CHECK_S while it says it would (batch_via.refusal); None: it would."""
+        now = time.monotonic()
+        if now - self.via_checked.get(via, -VIA_CHECK_S) < VIA_CHECK_S:
+            return None
+        why_not = await refusal(client, via.target)
+        if why_not is None:
+            self.via_checked[via] = now
+        return why_not
+
+    def via_target(self) -> str | None:
+        """The router's socket or URL that lines go through, or None (served here)."""
+        via = self.via()
+        return None if via is None else via.target
 
     def _body(self, batch: Batch, line: BatchLine) -> dict:
         with open(self.files.data_path(batch.input_file_id), "rb") as source:

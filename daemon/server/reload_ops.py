@@ -21,6 +21,7 @@ from kvctl.policies.reservation import parse_reservation
 from . import pin_ops
 from .adapter_room import gpu_room
 from .auth import TokenFileError, TokenTable
+from .batch_via import BatchViaError, via_router
 from .calls import ServiceError
 from .lora_ops import served_modules, standing_changes
 from .tls import TlsFileError
@@ -38,7 +39,8 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait
                  "prompt_cache_retention", "tenant_prompt_cache_retention", "predicted_outputs", "prediction_max_batch",
                  "log_requests",
                  "prompt_cache_breakpoints", "prompt_cache_explicit_tenants",
-                 "batch_concurrency", "batch_via", "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
+                 "batch_concurrency", "batch_via", "batch_via_token_file", "batch_via_ca_file",
+                 "batch_via_client_cert", "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
                  "log_stats_interval",
                  "lora_modules", "lora_runtime_updates", "max_loras", "speculative_config", "responses_max_age",
                  "truncation_headroom", "responses_store_bytes", "conversations_store_bytes",
@@ -92,7 +94,8 @@ def _reload_from_source(service, actor: str) -> dict:
         tls_files = service.tls.read_again() if service.tls is not None else None  # a rotated certificate or CAs
         adapters = read_adapters(service, new)
         endpoints = read_endpoints(new.webhooks_file) if new.webhooks_file else {}
-    except (ConfigError, TokenFileError, TlsFileError, WebhooksFileError) as exc:
+        batch_via = via_router(new)  # (its token read again: a rotated one is taken)
+    except (ConfigError, TokenFileError, TlsFileError, WebhooksFileError, BatchViaError) as exc:
         refused = ServiceError(400, REFUSED + str(exc), "config")
         _count_refused(service, actor, refused)
         raise refused from None
@@ -105,6 +108,7 @@ def _reload_from_source(service, actor: str) -> dict:
     service.reloads["ok"] += 1
     service.last_reload = {"at": time.time(), "result": "ok", "error": None, "actor": actor}
     service.webhook_endpoints = endpoints  # (events waiting go to the endpoints the file names now)
+    service.batch_via = batch_via
     if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens
         result["tokens"] = service.tokens.adopt(fresh)
         service.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",

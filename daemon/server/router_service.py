@@ -225,6 +225,9 @@ class RouterService:
     gc_pauses: GcPauses = field(default_factory=lambda: GcPauses(stalls="no request is routed meanwhile"))
     tls: object | None = None  # the TCP front's TLS (tls.ServingTls), which SIGHUP rotates; None without
     log_requests: bool = False  # a logfmt line per routed request: where it went and why (router.py)
+    # the TCP front serves a request under the X-KVD-Tenant it names, not its token's tenant (kvd router
+    # --trusted-proxy): what a kvd sending its batches' requests through it over TCP needs (batch_via)
+    trusted_proxy: bool = False
     route_spans: object | None = None  # OpenTelemetry spans of the routing (route_spans.RouteSpans); None: off
     # the replica that answered each response (/v1/responses), for the requests that continue it
     response_homes: ResponseHomes = field(default_factory=ResponseHomes)
@@ -955,7 +958,8 @@ class RouterService:
                 "replicas": [one(r) for r in self.replicas],
                 "silent_give_up_seconds": self.silent_give_up_seconds,
                 "gc": self.gc_pauses.report(),
-                "tls": None if self.tls is None else self.tls.describe(time.time())}
+                "tls": None if self.tls is None else self.tls.describe(time.time()),
+                "trusted_proxy": self.trusted_proxy}
         if self.splices_replies:  # the chat replies' ids the events view weighs next turns with
             body["reply_ids"] = self.reply_ids.figures()
         if self.timeouts_not_rerouted:  # queue timeouts with no other replica in time

@@ -48,6 +48,7 @@ from .breakpoint_holds_file import restore_holds, save_holds
 from .cache_breakpoints import EXPLICIT_BECAUSE
 from .admin_slots import WriteSlots
 from .batch_files import FileBudgets, FileStore
+from .batch_via import via_router
 from .webhooks import Webhooks, read_endpoints
 from .batches import BatchRunner
 from .calls import Principal, ServiceError
@@ -165,8 +166,9 @@ class EngineService:
         self.webhooks = Webhooks(Path(config.state_dir) / "webhooks", lambda: self.webhook_endpoints)
         # a background response's end, told once the responses file has it (and those not told at the last stop)
         self.responses.tell_untold(self.webhooks.told)
+        self.batch_via = via_router(config)  # the router a batch's requests go through (batch_via.py), or None
         self.batches = BatchRunner(Path(config.state_dir) / "batches", self.files,
-                                   lambda: self.config.batch_concurrency, via=lambda: self.config.batch_via,
+                                   lambda: self.config.batch_concurrency, via=lambda: self.batch_via,
                                    on_end=lambda batch: self.webhooks.told(batch.tenant, f"batch.{batch.status}",
                                                                             batch.id))
         self._reply_ids_read = False  # read back from the state directory once, at the first load
