@@ -464,3 +464,39 @@ def test_batch_via_s_token_is_read_at_start_and_again_at_a_reload_and_a_bad_one_
         assert (service.batch_via.target, service.batch_via.token) == ("/run/kvd/router.sock", None)
     finally:
         service.shutdown(1)
+
+
+class TokenRotated(httpx.AsyncBaseTransport):
+    """The router's TCP front, which refuses kvd's token for its first chat (rotated there, then
+    put back)."""
+
+    def __init__(self, front: Paths) -> None:
+        self.front, self.refused = front, 1
+
+    async def handle_async_request(self, request):
+        if request.url.path == CHAT and self.refused:
+            self.refused -= 1
+            self.front.paths.append("401")
+            return httpx.Response(401, json={"error": {"message": "invalid bearer token", "code": "unauthenticated"}})
+        return await self.front.handle_async_request(request)
+
+
+def test_a_line_whose_token_the_router_refuses_is_served_again_and_the_router_asked_again(tcp_fleet):
+    services, router, front, _ = tcp_fleet
+    router.trusted_proxy = True
+    rotated = TokenRotated(front)
+    services[0].batches.transport_to = lambda via: rotated
+    home = services[0].batches.lines_app
+
+    async def go():
+        transport = httpx.ASGITransport(app=home)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
+            uploaded = await client.post("/v1/files", files={"file": ("in.jsonl", lines(1, "S."))},
+                                         data={"purpose": "batch"})
+            made = await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT,
+                                                          "completion_window": "24h"})
+            return (await ended_as(client, made.json()["id"], "default")).json()
+
+    done = asyncio.run(go())
+    assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+    assert front.paths == ["/router/status", "401", "/router/status", CHAT]

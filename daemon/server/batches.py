@@ -49,6 +49,8 @@ WINDOWS = {"24h": 86_400}  # OpenAI's only completion window
 RETRY_S = 1.0  # a line answered 429 or 503 is served again after this
 SERVED_AGAIN = (429, 503)  # a full queue, kvd asleep, draining or stopping: not the line's fault
 VIA_SERVED_AGAIN = (*SERVED_AGAIN, 502, 504)  # through kvd router, also a replica that failed or went silent
+# through a router's TCP front, also its refusal of kvd's token (rotated there, its role changed): asked again
+TOKEN_REFUSED = (401, 403)
 VIA_CONNECT_S = 5.0  # to connect to the router (a router down: the line is served again later)
 ENDED = ("completed", "failed", "expired", "cancelled")
 STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *ENDED)
@@ -394,6 +396,9 @@ class BatchRunner:
         except httpx.HTTPError as exc:  # (kvd's own app, in process: not expected; a router down) served again
             self.unsent_warnings.warning("batch %s: a request could not be sent%s (%s); it is served again", batch.id,
                                          f" to kvd router at {via.target}" if via is not None else "", described(exc))
+            status = 503
+        if via is not None and via.over_tcp and status in TOKEN_REFUSED:  # not the line's fault: its word asked again
+            self.via_checked.pop(via, None)
             status = 503
         if status in (VIA_SERVED_AGAIN if via is not None else SERVED_AGAIN) or self.stopping:  # again later
             batch.retry.append(line)
