@@ -55,6 +55,10 @@ def batches_view(d: dict, now: float | None = None) -> Group:
                       f"(batch_concurrency); since kvd started {served['completed']:,} answered 2xx, "
                       f"{served['failed']:,} failed"
                       + (f"; sent through kvd router at {d['via']} (batch_via)" if d.get("via") else "")))
+    unsent = d.get("via_unsent")
+    if unsent:  # (the requests wait meanwhile, none failed for it)
+        parts.append(Text(f"requests have not gone through kvd router for {duration(max(0.0, now - unsent['since']))}: "
+                          f"{unsent['why']}; they wait, and are sent once it takes them", style="yellow"))
     return Group(*parts)
 
 

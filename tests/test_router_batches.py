@@ -377,14 +377,20 @@ def test_a_batch_via_a_routers_url_waits_until_it_serves_lines_as_their_tenant_t
                     break
                 await asyncio.sleep(0.05)
             waiting = (await client.get(f"/v1/batches/{made.json()['id']}", headers={"X-KVD-Tenant": "acme"})).json()
+            operator = (await client.get("/admin/batches")).json()
             asked_while_refused = len(front.paths)
             router.trusted_proxy = True
             done = await ended_as(client, made.json()["id"], "acme")
-            return waiting, asked_while_refused, done.json()
+            return waiting, operator, asked_while_refused, done.json()
 
     with caplog.at_level("WARNING", logger="kvd"):
-        waiting, asked_while_refused, done = asyncio.run(go())
+        waiting, operator, asked_while_refused, done = asyncio.run(go())
     assert waiting["status"] == "in_progress" and waiting["request_counts"]["completed"] == 0
+    from .test_batches_api import shown
+    assert shown(operator, now=operator["via_unsent"]["since"] + 3).endswith(
+        f"sent through kvd router at {ROUTER_URL} (batch_via) requests have not gone through kvd router for 3s: kvd "
+        f"router at {ROUTER_URL} serves a TCP caller's request under its token's tenant, not the batch's: start it "
+        "with --trusted-proxy (trusted_proxy: true); they wait, and are sent once it takes them")
     assert set(front.paths[:asked_while_refused]) == {"/router/status"}  # (no line went while refused)
     unsent = [r.getMessage() for r in caplog.records if "was not sent" in r.getMessage()]
     assert unsent[0] == (f"batch {done['id']}: a request was not sent to kvd router at {ROUTER_URL}: kvd router at "
@@ -395,7 +401,8 @@ def test_a_batch_via_a_routers_url_waits_until_it_serves_lines_as_their_tenant_t
     assert sent.count(CHAT) == 4 and sent.count("/router/status") <= 4  # (asked until a first yes, then held)
     assert [len(t.chats) for t in tallies] == [2, 2]
     assert {tenant for t in tallies for tenant in t.chats} == {"acme"}  # the batch's tenant, not the token's
-    assert call(home, "GET", "/admin/batches").json()["via"] == ROUTER_URL
+    seen = call(home, "GET", "/admin/batches").json()
+    assert (seen["via"], seen["via_unsent"]) == (ROUTER_URL, None)  # (it took them)
 
 
 def test_a_routers_word_on_the_tenant_it_serves_lines_as_is_read_from_its_status(tcp_fleet, tmp_path):

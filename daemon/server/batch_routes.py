@@ -118,7 +118,8 @@ def batch_routes(service, principal, admin) -> APIRouter:
         """Every tenant's batches, the latest first, and the requests served since kvd started."""
         return {"batches": [{**b.public(), "tenant": b.tenant, "in_flight": b.in_flight}
                             for b in runner.listed(None)],
-                "served": dict(runner.served), "concurrency": runner.concurrency(), "via": runner.via_target()}
+                "served": dict(runner.served), "concurrency": runner.concurrency(), "via": runner.via_target(),
+                "via_unsent": runner.unsent}
 
     @router.get("/admin/files")
     async def admin_files(tenant: str | None = Query(None), _: Principal = Depends(admin)):

@@ -209,6 +209,9 @@ class BatchRunner:
         self.unsent_warnings = EveryFewSeconds(log)  # (a router down: one line a few seconds, not one a request)
         self.transport_to = lambda via: via.transport()  # (to the router: tests swap it)
         self.via_checked: dict[ViaRouter, float] = {}  # a URL router's latest word that it serves as the tenant
+        # why lines are not going through the router, since when (Unix time): from the first line it did not
+        # take (down, or over TCP not serving lines as their tenant) to the next it answered; None: they go
+        self.unsent: dict | None = None
         self.lines_app = None  # set by create_app(front="unix")
         self.stopping = False  # kvd is stopping: no line is handed out
         self.batches: dict[str, Batch] = {}
@@ -327,6 +330,7 @@ class BatchRunner:
             while True:
                 await self._settle()
                 if not serving and not any(b.status in ACTIVE for b in list(self.batches.values())):
+                    self.unsent = None  # (no line waits to go)
                     return  # (nothing to serve: the next batch, or cancel, starts another)
                 while len(serving) < max(1, self.concurrency()) and not self.stopping:
                     taken = self._next()
@@ -388,14 +392,17 @@ class BatchRunner:
             if why_not is not None:  # (it would serve the line as its token's tenant) served again later
                 self.unsent_warnings.warning("batch %s: a request was not sent to kvd router at %s: %s; it is "
                                              "served again", batch.id, via.target, why_not)
+                self._not_going(why_not)
                 status = 503
             else:
                 answer = await client.post(batch.endpoint, json=body,
                                            headers={"X-KVD-Tenant": batch.tenant, "X-Request-Id": request_id})
                 status = answer.status_code
+                self.unsent = None
         except httpx.HTTPError as exc:  # (kvd's own app, in process: not expected; a router down) served again
             self.unsent_warnings.warning("batch %s: a request could not be sent%s (%s); it is served again", batch.id,
                                          f" to kvd router at {via.target}" if via is not None else "", described(exc))
+            self._not_going(f"it could not be reached ({described(exc)})")
             status = 503
         if via is not None and via.over_tcp and status in TOKEN_REFUSED:  # not the line's fault: its word asked again
             self.via_checked.pop(via, None)
@@ -423,6 +430,10 @@ class BatchRunner:
         if why_not is None:
             self.via_checked[via] = now
         return why_not
+
+    def _not_going(self, why: str) -> None:
+        """A line did not go through the router, for `why` (kept since the first such line)."""
+        self.unsent = {"why": why, "since": self.unsent["since"] if self.unsent is not None else time.time()}
 
     def via_target(self) -> str | None:
         """The router's socket or URL that lines go through, or None (served here)."""
