@@ -45,7 +45,7 @@ def printable(text: str) -> str:
 def files_view(d: dict, now: float | None = None) -> Group:
     """A line per file, a line per tenant, and kvd's line under them; at kvd router, each replica's."""
     if "replicas" in d:
-        return by_replica(d["replicas"], lambda report: files_view(report, now))
+        return Group(by_replica(d["replicas"], lambda report: files_view(report, now)), *fleet_tenants(d["replicas"]))
     now = time.time() if now is None else now
     parts: list = []
     for row in d["files"]:
@@ -62,6 +62,25 @@ def files_view(d: dict, now: float | None = None) -> Group:
                       f"{size(d['max_file_bytes'])} (max_file_bytes); since kvd started {refused['tenant']:,} "
                       f"refused past a tenant's budget, {refused['store']:,} past files_store_bytes"))
     return Group(*parts)
+
+
+def fleet_tenants(replicas: list[dict]) -> list[Text]:
+    """At kvd router, a line per tenant: its files at every replica that answered, against its
+    budget, which counts them all (the router tells each upload's replica what the others keep)."""
+    reports = [row["report"] for row in replicas if "report" in row]
+    lines = []
+    for name in sorted({tenant for report in reports for tenant in report["tenants"]}):
+        rows = [report["tenants"][name] for report in reports if name in report["tenants"]]
+        budgets = {row["budget"] for row in rows}
+        budget = "files_store_bytes at each replica" if budgets == {None} else \
+            f"{size(next(iter(budgets)))} (tenant_files_bytes)" if len(budgets) == 1 else \
+            "budgets that differ from replica to replica (give each the same tenant_files_bytes)"
+        lines.append(Text(f"tenant {name} across the fleet: {count(sum(row['files'] for row in rows))} files, "
+                          f"{size(sum(row['bytes'] for row in rows))} of {budget}"))
+    unanswered = len(replicas) - len(reports)
+    if lines and unanswered:
+        lines.append(Text(f"(not counting the {unanswered} replicas that did not answer)", style="yellow"))
+    return lines
 
 
 @files_app.command("delete")

@@ -112,13 +112,16 @@ def test_a_batch_is_served_where_its_file_is_and_found_there_by_a_router_that_di
 
 
 class ClosesAfterReading(httpx.AsyncBaseTransport):
-    """A replica that reads a request's whole body, then closes the connection without answering."""
+    """A replica that reads a request's whole body, then closes the connection without answering
+    (`read`: the bodies of the POSTs)."""
 
     def __init__(self) -> None:
         self.read: list[bytes] = []
 
     async def handle_async_request(self, request):
-        self.read.append(b"".join([piece async for piece in request.stream]))
+        body = b"".join([piece async for piece in request.stream])
+        if request.method == "POST":
+            self.read.append(body)
         raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
 
 
@@ -507,3 +510,95 @@ def test_a_line_whose_token_the_router_refuses_is_served_again_and_the_router_as
     done = asyncio.run(go())
     assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
     assert front.paths == ["/router/status", "401", "/router/status", CHAT]
+
+
+@pytest.fixture
+def budgeted(tmp_path):
+    """Two replicas whose tenant acme may keep 3,000 bytes of files, and their Unix apps."""
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import start_service
+
+    services = [start_service(tmp_path / f"r{i}", num_blocks=64, tenant_files_bytes="acme=3000") for i in range(2)]
+    try:
+        yield services, [create_app(s, s.metrics, front="unix") for s in services]
+    finally:
+        for service in services:
+            service.shutdown(deadline=5)
+
+
+ACME = {"X-KVD-Tenant": "acme"}
+
+
+def upload(client, size: int):
+    return client.post("/v1/files", files={"file": ("in.jsonl", lines(1, "S.").ljust(size - 1) + b"\n")},
+                       data={"purpose": "batch"}, headers=ACME)
+
+
+def test_behind_the_router_a_tenant_s_files_budget_counts_its_files_at_every_replica(budgeted):
+    """tenant_files_bytes is the fleet's behind kvd router: two uploads spread over two replicas
+    take 2,400 of acme's 3,000 bytes, and a third of 1,200 is refused wherever it would go (each
+    replica alone holds 1,200), saying the fleet's count; a batch finds no room for its output
+    once acme's files across the fleet are at the budget."""
+    services, apps = budgeted
+    _, app = router_app(apps, "round_robin")
+
+    async def go(client):
+        first, second = await upload(client, 1200), await upload(client, 1200)
+        third = await upload(client, 1200)
+        fourth = await upload(client, 600)  # (fits: 3,000 across the fleet)
+        batch = await client.post("/v1/batches", json={"input_file_id": first.json()["id"], "endpoint": CHAT,
+                                                       "completion_window": "24h"}, headers=ACME)
+        return first, second, third, fourth, batch, (await client.get("/admin/files")).json()
+
+    [(first, second, third, fourth, batch, operator)] = drive(app, [go])
+    assert first.status_code == second.status_code == 200
+    assert first.headers["x-kvd-replica"] != second.headers["x-kvd-replica"]  # (spread: each holds 1,200)
+    assert third.status_code == 400 and third.json()["error"]["message"] == (
+        "file: 1,200 bytes more would take tenant acme's files to 3,600 bytes across the fleet (1,200 at kvd "
+        "router's other replicas), over its tenant_files_bytes (3,000 bytes); delete files no longer needed "
+        "(DELETE /v1/files/ID), or ask kvd's operator for more room")
+    assert fourth.status_code == 200
+    assert batch.status_code == 400 and batch.json()["error"]["message"].startswith(
+        "input_file_id: tenant acme's files take 3,000 bytes across the fleet (")
+    assert sorted(s.files.held("acme") for s in services) == [1200, 1800]
+    from .test_file_budgets import shown
+    assert shown(operator, now=first.json()["created_at"]).endswith(
+        "tenant acme across the fleet: 3 files, 2.9 KiB of 2.9 KiB (tenant_files_bytes)")
+
+
+def test_two_uploads_of_a_tenant_at_once_through_the_router_cannot_both_pass_its_budget(budgeted):
+    _, apps = budgeted
+    _, app = router_app(apps, "round_robin")
+
+    async def both(client):
+        return await asyncio.gather(upload(client, 1600), upload(client, 1600))
+
+    [answers] = drive(app, [both])
+    assert sorted(a.status_code for a in answers) == [200, 400]
+
+
+def test_only_an_admin_says_what_a_tenant_s_files_take_elsewhere(tmp_path):
+    """X-KVD-Tenant-Files-Elsewhere is kvd router's word: a user's is not read (it is served as
+    if it had not said it), an admin's is counted, and one that is not a number is refused."""
+    from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, apps, call, start_service, token_table
+
+    service = start_service(tmp_path, tenant_files_bytes="acme=3000,ops=3000")
+    try:
+        _, tcp = apps(service, token_table(tmp_path))
+
+        def sent(token: str, elsewhere: str):
+            return call(tcp, "POST", "/v1/files", files={"file": ("in.jsonl", b"x" * 1000)},
+                        data={"purpose": "batch"}, headers={"Authorization": f"Bearer {token}",
+                                                            "X-KVD-Tenant-Files-Elsewhere": elsewhere})
+
+        user, admin, bad = sent(USER_TOKEN, "2500"), sent(ADMIN_TOKEN, "2500"), sent(ADMIN_TOKEN, "-1")
+        assert user.status_code == 200 and user.json()["bytes"] == 1000
+        assert admin.status_code == 400 and admin.json()["error"]["message"].startswith(
+            "file: 1,000 bytes more would take tenant ops's files to 3,500 bytes across the fleet (2,500 at kvd "
+            "router's other replicas), over its tenant_files_bytes (3,000 bytes)")
+        assert bad.status_code == 400 and bad.json()["error"] == {
+            "message": "X-KVD-Tenant-Files-Elsewhere: invalid value '-1'; use a whole number of bytes",
+            "type": "invalid_request_error", "param": "X-KVD-Tenant-Files-Elsewhere", "code": None}
+    finally:
+        service.shutdown(1)

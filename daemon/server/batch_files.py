@@ -75,6 +75,11 @@ class StoredFile:
                 "expires_at": self.expires_at}
 
 
+def across_fleet(elsewhere: int) -> str:
+    """Where a tenant's files at the fleet's other replicas count: what its budget's refusal says."""
+    return f" across the fleet ({elsewhere:,} at kvd router's other replicas)" if elsewhere else ""
+
+
 def expiry_seconds(expires_after, param: str = "expires_after") -> int | None:
     """The seconds after its making a file is removed, from OpenAI's `{"anchor": "created_at",
     "seconds": N}` (None: never); FileError naming the field at fault."""
@@ -131,47 +136,49 @@ class FileStore:
         kept = sum(f.bytes for f in list(self.files.values()) if tenant in (None, f.tenant))
         return kept + (sum(self.reserved.values()) if tenant is None else self.reserved[tenant])
 
-    def over_budget(self, tenant: str, size: int) -> FileError | None:
+    def over_budget(self, tenant: str, size: int, elsewhere: int = 0) -> FileError | None:
         """Why `size` more bytes of `tenant`'s would not fit (None: they would): a 400 naming its
         tenant_files_bytes, or a 507 where every tenant's together would pass files_store_bytes
-        (which does not say what the others keep)."""
+        (which does not say what the others keep). `elsewhere`: the bytes its files take at the
+        fleet's other replicas (kvd router says), which its budget counts too."""
         budgets = self.budgets()
-        own, held = budgets.of(tenant), self.held(tenant)
+        own, held = budgets.of(tenant), self.held(tenant) + elsewhere
         if own is not None and held + size > own:
             return FileError(f"file: {size:,} bytes more would take tenant {tenant}'s files to {held + size:,} "
-                             f"bytes, over its tenant_files_bytes ({own:,} bytes); {FREE_SOME}", "file",
-                             code="files_budget_exceeded")
+                             f"bytes{across_fleet(elsewhere)}, over its tenant_files_bytes ({own:,} bytes); "
+                             f"{FREE_SOME}", "file", code="files_budget_exceeded")
         if self.held() + size > budgets.store:
             return FileError(f"file: kvd's store of files has no room for {size:,} bytes more (files_store_bytes); "
                              f"{FREE_SOME}", "file", 507, "file_storage_full")
         return None
 
-    def no_room_for_output(self, tenant: str) -> FileError | None:
+    def no_room_for_output(self, tenant: str, elsewhere: int = 0) -> FileError | None:
         """Why a new batch of `tenant`'s would have no room for its output (None: it has some): its
-        files at its tenant_files_bytes, or every tenant's at files_store_bytes. (A batch's output
-        is written whatever its size: a batch started with room is never refused its answers.)"""
+        files at its tenant_files_bytes (with `elsewhere`, as over_budget's), or every tenant's at
+        files_store_bytes. (A batch's output is written whatever its size: a batch started with
+        room is never refused its answers.)"""
         budgets = self.budgets()
-        own, held = budgets.of(tenant), self.held(tenant)
+        own, held = budgets.of(tenant), self.held(tenant) + elsewhere
         if own is not None and held >= own:
-            return FileError(f"input_file_id: tenant {tenant}'s files take {held:,} bytes, its "
-                             f"tenant_files_bytes ({own:,} bytes): a batch's output would have no room; {FREE_SOME}",
-                             "input_file_id", code="files_budget_exceeded")
+            return FileError(f"input_file_id: tenant {tenant}'s files take {held:,} bytes{across_fleet(elsewhere)}, "
+                             f"its tenant_files_bytes ({own:,} bytes): a batch's output would have no room; "
+                             f"{FREE_SOME}", "input_file_id", code="files_budget_exceeded")
         if self.held() >= budgets.store:
             return FileError(f"input_file_id: kvd's store of files is full (files_store_bytes): a batch's output "
                              f"would have no room; {FREE_SOME}", "input_file_id", 507, "file_storage_full")
         return None
 
     def add(self, tenant: str, filename: str, purpose: str, content: bytes | BinaryIO, file_id: str | None = None,
-            expires_in: int | None = None) -> StoredFile:
+            expires_in: int | None = None, elsewhere: int = 0) -> StoredFile:
         """Keep `content` (bytes, or a file read from its start) for `tenant` (`file_id`: replace
         the file of that id, kvd's own outputs; `expires_in`: seconds until it is removed,
         expiry_seconds). An upload (a purpose callers give) over a budget is refused: FileError
-        (over_budget), nothing kept; what kvd writes is kept whatever its budgets."""
+        (over_budget, with `elsewhere`), nothing kept; what kvd writes is kept whatever its budgets."""
         if purpose not in PURPOSES + WRITTEN_PURPOSES:
             raise FileError(f"purpose: kvd keeps files for {', '.join(PURPOSES)}, got {purpose!r}", "purpose")
         size = len(content) if isinstance(content, bytes) else content.seek(0, 2)
         with self.lock:
-            refusal = self.over_budget(tenant, size) if purpose in PURPOSES else None
+            refusal = self.over_budget(tenant, size, elsewhere) if purpose in PURPOSES else None
             if refusal is not None:
                 self.refused["tenant" if refusal.status == 400 else "store"] += 1
                 raise refusal

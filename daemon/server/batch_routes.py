@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Header, Query, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
@@ -42,6 +42,22 @@ def list_page(rows: list[dict], after: str | None, limit: str | None) -> dict:
         raise ApiError(400, str(exc), param=exc.param) from None
 
 
+# kvd router's word, on an upload or a new batch it relays: the bytes the tenant's files take at its other
+# replicas, which the tenant's budget counts with its files here (tenant_files_bytes is the fleet's)
+ELSEWHERE_HEADER = "X-KVD-Tenant-Files-Elsewhere"
+
+
+def files_elsewhere(who: Principal, said: str | None) -> int:
+    """The bytes ELSEWHERE_HEADER says, where an admin caller (kvd router) says it; else 0 (a
+    caller's own word would only shrink its own room, but it is the router's to say)."""
+    if said is None or who.role != "admin":
+        return 0
+    if not said.isdigit():
+        raise ApiError(400, f"{ELSEWHERE_HEADER}: invalid value {said[:40]!r}; use a whole number of bytes",
+                       param=ELSEWHERE_HEADER)
+    return int(said)
+
+
 def batch_routes(service, principal, admin) -> APIRouter:
     router = APIRouter()
     files, runner = service.files, service.batches
@@ -51,12 +67,13 @@ def batch_routes(service, principal, admin) -> APIRouter:
     async def upload(file: UploadFile = File(...), purpose: str = Form(...),
                      anchor: str | None = Form(None, alias="expires_after[anchor]"),
                      seconds: str | None = Form(None, alias="expires_after[seconds]"),
+                     elsewhere: str | None = Header(None, alias=ELSEWHERE_HEADER),
                      who: Principal = Depends(principal)):
         expires_in = None if anchor is None and seconds is None else \
             expiry_seconds({"anchor": anchor, "seconds": seconds})
         # (the form's file, spooled to disk as it came: copied a piece at a time, never held whole)
         stored = await run_in_threadpool(files.add, who.tenant, file.filename or "upload.jsonl", purpose, file.file,
-                                         None, expires_in)
+                                         None, expires_in, files_elsewhere(who, elsewhere))
         return stored.public()
 
     @router.get("/v1/files")
@@ -88,12 +105,14 @@ def batch_routes(service, principal, admin) -> APIRouter:
 
     # ---- batches --------------------------------------------------------------------------
     @router.post("/v1/batches")
-    async def create_batch(body: BatchBody, who: Principal = Depends(principal)):
+    async def create_batch(body: BatchBody, who: Principal = Depends(principal),
+                           elsewhere: str | None = Header(None, alias=ELSEWHERE_HEADER)):
         try:
             metadata = checked_metadata(body.metadata)
             output_expiry = expiry_seconds(body.output_expires_after, "output_expires_after")
             batch = await run_in_threadpool(runner.create, who.tenant, body.input_file_id, body.endpoint,
-                                            body.completion_window, metadata, output_expiry)
+                                            body.completion_window, metadata, output_expiry,
+                                            files_elsewhere(who, elsewhere))
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         runner.start()  # (on the event loop: the lines are served from it)

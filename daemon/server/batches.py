@@ -223,10 +223,11 @@ class BatchRunner:
 
     # ---- what callers ask ----------------------------------------------------------------
     def create(self, tenant: str, input_file_id: Any, endpoint: Any, completion_window: Any,
-               metadata: dict, output_expiry: int | None = None) -> Batch:
+               metadata: dict, output_expiry: int | None = None, elsewhere: int = 0) -> Batch:
         """A batch of `tenant`'s file, validated (a faulty file gives a `failed` batch, as OpenAI's
         does); BatchError for a request that names no such file, endpoint or window.
-        `output_expiry`: seconds its output and error files are kept once written (None: until deleted)."""
+        `output_expiry`: seconds its output and error files are kept once written (None: until deleted);
+        `elsewhere`: bytes of the tenant's files at the fleet's other replicas (FileStore.over_budget)."""
         if endpoint not in ENDPOINTS:
             raise BatchError(f"endpoint: kvd serves batches of {', '.join(ENDPOINTS)}, got {endpoint!r}",
                              "endpoint")
@@ -237,7 +238,7 @@ class BatchRunner:
         if source.purpose != "batch":
             raise BatchError(f"input_file_id: file {input_file_id!r} was uploaded for {source.purpose!r}; a batch's "
                              "input is uploaded with purpose 'batch'", "input_file_id")
-        no_room = self.files.no_room_for_output(tenant)
+        no_room = self.files.no_room_for_output(tenant, elsewhere)
         if no_room is not None:
             raise no_room
         now = int(self.clock())

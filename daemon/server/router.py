@@ -29,6 +29,7 @@ import secrets
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable
 from urllib.parse import quote, urlencode
 
 import httpx
@@ -56,6 +57,7 @@ from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, bodies_or_errors,
                           merge_tenant_lists, merge_unpins, merge_verifies, merge_webhook_retries,
                           merge_weight_updates, replica_reports)
 from .fleet_differences import fleet_differences
+from .fleet_files import TenantTurns, bytes_by_replica, elsewhere_header
 from .fleet_pins import sync_pins
 from .health_checks import fleet_report
 from .fleet_trace import merge_traces, trace_query
@@ -185,6 +187,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     app.add_middleware(BodyLimit, limit=lambda: max_request_bytes, file_limit=lambda: max_file_bytes)
     metrics = metrics or RouterMetrics(service)
     prefill_warnings = EveryFewSeconds(log)  # (one a request while no prefill replica answers)
+    tenant_turns = TenantTurns()  # a tenant's uploads and new batches, one at a time (fleet_files.py)
 
     def error(status: int, message: str, code: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "router_error", "param": None, "code": code}},
@@ -641,17 +644,20 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def create_conversation(http: Request, who: Caller = Depends(caller)):
         return await made_at_home("/v1/conversations", http, who)
 
-    async def made_at_home(path: str, http: Request, who: Caller, spooled=None) -> Response:
+    async def made_at_home(path: str, http: Request, who: Caller, spooled=None,
+                           headers_for: Callable[[Replica], dict] = lambda replica: {}) -> Response:
         """A conversation (or a file, /v1/files) made at `conversation_home`'s choice, its id noted
         as kept there. One that cannot be reached, closes the connection before answering (once,
         as forward) or is stopping (503) has made none: the next is tried. `spooled`: the body,
-        in a file (an upload), sent from its start to each replica tried."""
+        in a file (an upload), sent from its start to each replica tried; `headers_for`: the
+        router's own headers for the replica it is sent to."""
         content = await http.body() if spooled is None else spooled
         excluded, tried, closed_retried = set(), [], False
         media = http.headers.get("content-type")
         while (replica := service.conversation_home(excluded)) is not None:
             try:
-                answer = await relayed_or_raise(replica, "POST", path, who, content=content, media=media)
+                answer = await relayed_or_raise(replica, "POST", path, who, content=content, media=media,
+                                                extra=headers_for(replica))
             except (httpx.ConnectError, httpx.ConnectTimeout, *CLOSED_BEFORE_ANSWER) as exc:
                 replica.last_error = described(exc)
                 if not isinstance(exc, CLOSED_BEFORE_ANSWER):
@@ -689,7 +695,20 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         with tempfile.SpooledTemporaryFile(max_size=UPLOAD_PIECE) as spooled:
             async for piece in http.stream():
                 spooled.write(piece)
-            return await made_at_home("/v1/files", http, who, spooled)
+            async with tenant_turns.of(files_tenant(who)):  # (its budget is the fleet's: fleet_files.py)
+                held = await files_held(who)
+                return await made_at_home("/v1/files", http, who, spooled,
+                                          headers_for=lambda replica: elsewhere_header(held, replica))
+
+    def files_tenant(who: Caller) -> str:
+        return who.tenant if who.tenant is not None else "default"  # (a replica's, for a caller naming none)
+
+    async def files_held(who: Caller) -> dict[int, int]:
+        """What the caller's tenant's files take at each replica that keeps files and answers."""
+        tenant = files_tenant(who)
+        return await bytes_by_replica([r for r in service.replicas if r.role != "prefill"], tenant,
+                                      lambda replica: relayed_or_raise(replica, "GET", "/admin/files", who,
+                                                                       params={"tenant": tenant}))
 
     @app.api_route("/v1/files/{file_id}", methods=["GET", "DELETE"])
     async def kept_file(file_id: str, http: Request, who: Caller = Depends(caller)):
@@ -715,7 +734,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return JSONResponse({"error": {"message": f"input_file_id: no replica keeps file {file_id!r} (for this "
                                            "tenant)", "type": "not_found_error", "param": "input_file_id",
                                            "code": "file_not_found"}}, status_code=404)
-        answer = await relayed(replica, "POST", "/v1/batches", who, content=content)
+        async with tenant_turns.of(files_tenant(who)):  # (its output's room is the fleet's: fleet_files.py)
+            held = await files_held(who)
+            answer = await relayed(replica, "POST", "/v1/batches", who, content=content,
+                                   extra=elsewhere_header(held, replica))
         if answer.status_code == 200:
             service.response_homes.note(json.loads(answer.body)["id"], replica.name)
         return answer
@@ -832,20 +854,21 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         return answer
 
     async def relayed(replica, method: str, path: str, who: Caller, params=None,
-                      content: bytes | None = None) -> Response:
+                      content: bytes | None = None, extra: dict | None = None) -> Response:
         """`replica`'s answer to `method path` as the caller's tenant, as it came (a stream as its
         events come); a 502 where the replica failed to answer."""
         try:
-            return await relayed_or_raise(replica, method, path, who, params, content)
+            return await relayed_or_raise(replica, method, path, who, params, content, extra=extra)
         except httpx.HTTPError as exc:
             return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
 
     async def relayed_or_raise(replica, method: str, path: str, who: Caller, params=None,
-                               content=None, media: str | None = None) -> Response:
+                               content=None, media: str | None = None, extra: dict | None = None) -> Response:
         """relayed's work; httpx.HTTPError where the replica failed to answer. `content`: the body,
         bytes or a file (sent from its start, a piece at a time); `media`: its content type where it
-        is not JSON (a file uploaded as multipart form data)."""
+        is not JSON (a file uploaded as multipart form data); `extra`: headers of the router's own."""
         headers = {"X-KVD-Tenant": who.tenant} if who.tenant is not None else {}
+        headers.update(extra or {})
         if content is not None and not isinstance(content, bytes):
             headers["Content-Length"] = str(content.seek(0, 2))
             content = file_pieces(content)
