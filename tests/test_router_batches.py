@@ -593,6 +593,8 @@ def test_only_an_admin_says_what_a_tenant_s_files_take_elsewhere(tmp_path):
                                                             "X-KVD-Tenant-Files-Elsewhere": elsewhere})
 
         user, admin, bad = sent(USER_TOKEN, "2500"), sent(ADMIN_TOKEN, "2500"), sent(ADMIN_TOKEN, "-1")
+        odd = [sent(ADMIN_TOKEN, said) for said in (b"\xb2", "9" * 5000)]  # ("²", read as latin-1: a digit)
+        assert [a.status_code for a in odd] == [400, 400]
         assert user.status_code == 200 and user.json()["bytes"] == 1000
         assert admin.status_code == 400 and admin.json()["error"]["message"].startswith(
             "file: 1,000 bytes more would take tenant ops's files to 3,500 bytes across the fleet (2,500 at kvd "

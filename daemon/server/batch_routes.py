@@ -52,7 +52,7 @@ def files_elsewhere(who: Principal, said: str | None) -> int:
     caller's own word would only shrink its own room, but it is the router's to say)."""
     if said is None or who.role != "admin":
         return 0
-    if not said.isdigit():
+    if not (said.isascii() and said.isdigit() and len(said) <= 20):  # (not "²", nor 5,000 digits)
         raise ApiError(400, f"{ELSEWHERE_HEADER}: invalid value {said[:40]!r}; use a whole number of bytes",
                        param=ELSEWHERE_HEADER)
     return int(said)
