@@ -139,6 +139,9 @@ def test_kvctl_trace_save_at_kvd_router_writes_the_fleet_s_traffic_for_a_routing
     assert call(app, "GET", "/admin/trace", params={"last": 1}).json()["requests"][0]["hash_ids"] == [0, 1]
     refused = call(app, "GET", "/admin/trace", params={"last": "0"})
     assert refused.status_code == 400 and refused.json()["error"]["message"] == "last: must be a whole number >= 1, got '0'"
+    odd = [call(app, "GET", "/admin/trace", params={"last": last}) for last in ("\u00b2", "9" * 5000)]
+    assert [(a.status_code, a.json()["error"]["message"][:43]) for a in odd] == [
+        (400, "last: must be a whole number >= 1, got '\u00b2'"), (400, "last: must be a whole number >= 1, got '999")]
 
     monkeypatch.setattr(client.Client, "get",
                         lambda self, path, **params: call(app, "GET", path, params={k: v for k, v in params.items()

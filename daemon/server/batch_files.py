@@ -28,6 +28,7 @@ from typing import BinaryIO, Callable
 from kvctl.daemon.whole_file import write_json_whole, write_whole
 
 from .calls import ServiceError
+from .whole_numbers import whole_number
 
 EXPIRY_SECONDS = (3600, 2_592_000)  # OpenAI's shortest and longest expires_after: 1 h, 30 d
 FREE_SOME = "delete files no longer needed (DELETE /v1/files/ID), or ask kvd's operator for more room"
@@ -94,7 +95,7 @@ def expiry_seconds(expires_after, param: str = "expires_after") -> int | None:
     if isinstance(seconds, int) and not isinstance(seconds, bool):
         whole = seconds
     else:  # (a form's field: text)
-        whole = int(seconds) if isinstance(seconds, str) and seconds.strip().isdigit() else None
+        whole = whole_number(seconds) if isinstance(seconds, str) else None
     if whole is None or not least <= whole <= most:
         raise FileError(f"{param}.seconds: must be a whole number from {least} to {most:,} (1 hour to 30 days), "
                         f"got {seconds!r}", f"{param}.seconds")

@@ -19,6 +19,7 @@ from .calls import Principal
 from .chat_messages import MessagesError
 from .list_pages import input_items_page
 from .responses_input import checked_metadata
+from .whole_numbers import whole_number
 
 
 class BatchBody(BaseModel):
@@ -52,10 +53,11 @@ def files_elsewhere(who: Principal, said: str | None) -> int:
     caller's own word would only shrink its own room, but it is the router's to say)."""
     if said is None or who.role != "admin":
         return 0
-    if not (said.isascii() and said.isdigit() and len(said) <= 20):  # (not "²", nor 5,000 digits)
+    elsewhere = whole_number(said)
+    if elsewhere is None:
         raise ApiError(400, f"{ELSEWHERE_HEADER}: invalid value {said[:40]!r}; use a whole number of bytes",
                        param=ELSEWHERE_HEADER)
-    return int(said)
+    return elsewhere
 
 
 def batch_routes(service, principal, admin) -> APIRouter:

@@ -19,6 +19,7 @@ from typing import Callable
 from kvctl.daemon.config import MAX_FILE_BYTES
 
 from . import cut_connections
+from .whole_numbers import whole_number
 
 BODY_PIECE_TIMEOUT_S = 30.0  # nginx's client_body_timeout is 60 s
 UPLOAD_PATH = "/v1/files"  # a POST here is a file, capped by max_file_bytes
@@ -40,8 +41,10 @@ class BodyLimit:
         upload = scope.get("method") == "POST" and scope.get("path") == UPLOAD_PATH
         limit, setting = (self.file_limit(), "max_file_bytes") if upload else (self.limit(), "max_request_bytes")
         declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._refuse(send, f"{int(declared):,} bytes", limit, setting)
+        size = whole_number(declared)
+        if declared is not None and declared.strip().isdigit() and (size is None or size > limit):
+            await self._refuse(send, f"{size:,} bytes" if size is not None else f"a {len(declared):,}-digit length",
+                               limit, setting)
             return
         received, started, refused, whole = 0, False, False, False
 

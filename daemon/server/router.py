@@ -44,6 +44,7 @@ from kvctl.daemon.config import MAX_FILE_BYTES
 from kvctl.policies.routing import ROUTING_POLICIES
 
 from .replica_errors import answer_described, described, kvd_json
+from .whole_numbers import whole_number
 from .api_errors import ApiError
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .batch_routes import list_page as batch_page
@@ -467,9 +468,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         """The replicas' traces as one, in arrival order (daemon/server/fleet_trace.py); refused
         when the replicas key their block ids apart."""
         raw = http.query_params.get("last")
-        if raw is not None and not (raw.isdigit() and int(raw) >= 1):
-            return error(400, f"last: must be a whole number >= 1, got {raw!r}", "invalid_request")
-        last = None if raw is None else int(raw)
+        last = whole_number(raw)
+        if raw is not None and not (last or 0) >= 1:
+            return error(400, f"last: must be a whole number >= 1, got {raw[:40]!r}", "invalid_request")
         replicas = service.replicas
         answers = await each_replica(replicas, "GET", trace_query(last), timeout=FLEET_ADMIN_TIMEOUT_S)
         status, body = merge_traces([r.name for r in replicas], answers, last, list(service.untraced))
