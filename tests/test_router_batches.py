@@ -358,7 +358,7 @@ def tcp_fleet(tmp_path):
 
 
 def test_a_batch_via_a_routers_url_waits_until_it_serves_lines_as_their_tenant_then_goes_through_it(
-        tcp_fleet, caplog):
+        tcp_fleet, caplog, monkeypatch):
     """batch_via a router's TCP front: its lines carry the token of batch_via_token_file; while
     the router would serve them as that token's tenant (no --trusted-proxy) none is sent, each
     waiting with a WARNING that says why; once it serves them as the batch's tenant they go,
@@ -381,13 +381,20 @@ def test_a_batch_via_a_routers_url_waits_until_it_serves_lines_as_their_tenant_t
                 await asyncio.sleep(0.05)
             waiting = (await client.get(f"/v1/batches/{made.json()['id']}", headers={"X-KVD-Tenant": "acme"})).json()
             operator = (await client.get("/admin/batches")).json()
+            monkeypatch.setattr(health_checks, "UNSENT_WARN_S", 0.0)  # (a minute, else)
+            checked = (await client.get("/admin/checks")).json()["checks"]
             asked_while_refused = len(front.paths)
             router.trusted_proxy = True
             done = await ended_as(client, made.json()["id"], "acme")
-            return waiting, operator, asked_while_refused, done.json()
+            return waiting, operator, checked, asked_while_refused, done.json()
+
+    from kvctl.daemon.server import health_checks
 
     with caplog.at_level("WARNING", logger="kvd"):
-        waiting, operator, asked_while_refused, done = asyncio.run(go())
+        waiting, operator, checked, asked_while_refused, done = asyncio.run(go())
+    [via_check] = [c for c in checked if c["check"] == "batch via"]
+    assert via_check["status"] == "warning" and via_check["detail"].startswith(
+        f"requests of /v1/batches have not gone through kvd router at {ROUTER_URL} for ")
     assert waiting["status"] == "in_progress" and waiting["request_counts"]["completed"] == 0
     from .test_batches_api import shown
     assert shown(operator, now=operator["via_unsent"]["since"] + 3).endswith(
@@ -604,3 +611,20 @@ def test_only_an_admin_says_what_a_tenant_s_files_take_elsewhere(tmp_path):
             "type": "invalid_request_error", "param": "X-KVD-Tenant-Files-Elsewhere", "code": None}
     finally:
         service.shutdown(1)
+
+
+def test_kvctl_check_warns_of_batch_requests_that_have_not_gone_through_the_router_for_a_minute():
+    from kvctl.daemon.server.health_checks import status_checks
+
+    def via(unsent):
+        status = {"batch_via": {"target": "https://router:8443", "unsent": unsent}}
+        return [c.describe() for c in status_checks(status, now=1000.0) if c.name == "batch via"]
+
+    assert via(None) == [{"check": "batch via", "status": "ok",
+                          "detail": "requests of /v1/batches go through kvd router at https://router:8443"}]
+    assert via({"why": "it could not be reached (ConnectError)", "since": 950.0})[0]["status"] == "ok"  # (50 s)
+    assert via({"why": "it could not be reached (ConnectError)", "since": 880.0}) == [{
+        "check": "batch via", "status": "warning",
+        "detail": "requests of /v1/batches have not gone through kvd router at https://router:8443 for 2 min: it "
+                  "could not be reached (ConnectError); they wait"}]
+    assert [c for c in status_checks({}, now=1000.0) if c.name == "batch via"] == []  # (served here)

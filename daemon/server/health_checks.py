@@ -22,6 +22,7 @@ from .fleet_differences import FIELDS, MISSING, fleet_differences, value_at
 OK, WARNING, CRITICAL = "ok", "warning", "critical"
 SEVERITY = {OK: 0, WARNING: 1, CRITICAL: 2}  # also the exit status kvctl check gives
 RECENT_FAILURE_S = 3600.0  # an engine step failed within the hour: a warning
+UNSENT_WARN_S = 60.0  # a batch's requests have not gone through batch_via's router this long: a warning
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ def status_checks(status: dict, now: float | None = None) -> list[Check]:
               _store(status.get("store") or {})]
     checks += [c for c in (_tiers(status.get("tiers")), _tls(status.get("tls")), _pins(status.get("stranded_pins")),
                            _reload(status.get("last_reload")), _weights(status.get("weights_updated")),
-                           _responses_file(status.get("responses"))) if c is not None]
+                           _responses_file(status.get("responses")), _batch_via(status.get("batch_via"), now))
+               if c is not None]
     return checks
 
 
@@ -193,6 +195,16 @@ def _responses_file(responses: dict | None) -> Check | None:
         return Check("responses file", WARNING, f"{failed:,} writes to responses_store_file did not land; "
                      "`kvctl responses` says more")
     return None
+
+
+def _batch_via(via: dict | None, now: float) -> Check | None:
+    if not via:
+        return None
+    unsent = via.get("unsent")
+    if unsent and now - unsent["since"] >= UNSENT_WARN_S:
+        return Check("batch via", WARNING, f"requests of /v1/batches have not gone through kvd router at "
+                     f"{via['target']} for {_ago(now - unsent['since'])}: {unsent['why']}; they wait")
+    return Check("batch via", OK, f"requests of /v1/batches go through kvd router at {via['target']}")
 
 
 def kvd_report(service) -> dict:

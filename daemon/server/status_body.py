@@ -146,6 +146,10 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "responses": service.responses.figures(),
             "conversations": service.conversations.figures(),  # /v1/conversations (conversation_store.py)
             "reply_ids": service.reply_ids.figures(),  # chat replies' own ids for the next turn (reply_ids.py)
+            # the kvd router /v1/batches' requests go through (batch_via.py), and since when and why they have
+            # not gone (BatchRunner.unsent); None: served here
+            "batch_via": None if service.batch_via is None else {"target": service.batches.via_target(),
+                                                                  "unsent": service.batches.unsent},
             "draining": service.draining,
             # the TCP front's certificate (tls.py): subject, names, expiry; None without TLS
             "tls": None if service.tls is None else service.tls.describe(time.time()),
