@@ -110,6 +110,20 @@ def _emit(data: dict, as_json: bool) -> None:
     emit(data, as_json, _render)
 
 
+def _each_replica(render):
+    """At kvd router, `render` of each replica's report under its name (a rollout is a replica's
+    own: each runs, stops and numbers its rollouts apart); one without says why."""
+    def each(d: dict) -> None:
+        console = Console()
+        for row in d["replicas"]:
+            console.print(f"replica {row['replica']}", style="bold", highlight=False)
+            if "report" in row:
+                render(row["report"], console)
+            else:
+                console.print(f"  {row.get('error')}", highlight=False)
+    return each
+
+
 @rollout_app.command("start")
 def start(ctx: typer.Context, policy: Path = typer.Option(..., "--policy", help="Policy YAML (settings: ...)."),
           cohort: str = typer.Option(..., "--cohort", help="Share of traffic, e.g. 10%."),
@@ -141,7 +155,12 @@ def status(ctx: typer.Context, rollout_id: Optional[int] = typer.Argument(None, 
     Example: kvctl rollout status 3
     """
     client = client_for(ctx)
-    if rollout_id is None and not client.get("/admin/rollouts/history?limit=1")["rollouts"]:
+    latest = client.get("/admin/rollouts/history?limit=1")
+    if "replicas" in latest:  # kvd router: each replica's (by its own id where one is given)
+        path = "/admin/rollouts" if rollout_id is None else f"/admin/rollouts/{rollout_id}"
+        emit(client.get(path), as_json, _each_replica(_render))
+        return
+    if rollout_id is None and not latest["rollouts"]:
         if as_json:
             typer.echo("null")
         else:
@@ -162,8 +181,8 @@ def list_rollouts(ctx: typer.Context, limit: int = typer.Option(20, "--limit", h
         raise UserError(f"limit: must be at least 1, got {limit}")
     data = client_for(ctx).get(f"/admin/rollouts/history?limit={limit}")
 
-    def render(d: dict) -> None:
-        console = Console()
+    def render(d: dict, console: Console | None = None) -> None:
+        console = console or Console()
         if not d["rollouts"]:
             console.print("no rollout has been started; start one with `kvctl rollout start`")
             return
@@ -176,7 +195,7 @@ def list_rollouts(ctx: typer.Context, limit: int = typer.Option(20, "--limit", h
         keep_whole(table, 0, 4, 5)
         console.print(table)
 
-    emit(data, as_json, render)
+    emit(data, as_json, _each_replica(render) if "replicas" in data else render)
 
 
 @rollout_app.command("advance")

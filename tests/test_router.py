@@ -2139,3 +2139,31 @@ def test_a_tcp_front_with_trusted_proxy_serves_the_tenant_a_caller_names_and_say
              for replica, text in ((named, system), (unnamed, system + "Q?"))]
     assert [[f.json()["cached_tokens"] > 0 for f in facts] for facts in asked] == [[True, False, False],
                                                                                   [False, True, False]]
+
+
+def test_at_the_router_kvctl_rollout_status_and_list_show_each_replica_s_rollouts(replicas):
+    """A rollout is a replica's own (each runs, stops and numbers its own): at kvd router, `kvctl
+    rollout status` and `list` show each replica's under its name, and one without says so."""
+    from .daemon_fixtures import call
+    from .test_sleep import kvctl_on
+
+    _, app = router_app(replicas, "round_robin")
+    body = {"policy": {"name": "p95", "settings": {"reservation": "p95"}}, "cohort": "10%",
+            "stops": ["ttft_p95_seconds > 3 * baseline"]}
+    started = call(replicas[0], "POST", "/admin/rollouts", json=body).json()
+    try:
+        code, shown = kvctl_on(app, ["rollout", "status"])
+        assert code == 0
+        lines = shown.splitlines()
+        assert lines[0] == "replica replica-0"
+        assert lines[1].startswith(f"rollout {started['id']}: running, cohort 10%, policy p95 (version ")
+        assert lines[-2:] == ["replica replica-1", "  rollout: none has been started"]
+        code, listed = kvctl_on(app, ["rollout", "list"])
+        assert code == 0 and listed.splitlines()[0] == "replica replica-0"
+        assert "replica replica-1" in listed and "no rollout has been started" in listed.split("replica replica-1")[1]
+        assert "p95" in listed.split("replica replica-1")[0]
+        refused = call(app, "POST", "/admin/rollouts", json=body)
+        assert refused.status_code == 404 and refused.json()["error"]["message"].startswith(
+            "kvd router does not start rollouts: a rollout is a replica's own")
+    finally:
+        call(replicas[0], "POST", f"/admin/rollouts/{started['id']}/rollback", json={"reason": "test over"})

@@ -405,8 +405,15 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                         ("/admin/pins", merge_pin_lists), ("/admin/profile", replica_reports),
                         ("/admin/responses", replica_reports), ("/admin/audit", merge_audit_lists),
                         ("/admin/batches", replica_reports), ("/admin/files", replica_reports),
-                        ("/admin/webhooks", replica_reports)):
+                        ("/admin/webhooks", replica_reports), ("/admin/rollouts", replica_reports),
+                        ("/admin/rollouts/history", replica_reports)):
         merged_listing(path, merge)
+
+    @app.post("/admin/rollouts")
+    async def no_fleet_rollout(_: Caller = Depends(admin)):
+        return error(404, "kvd router does not start rollouts: a rollout is a replica's own (its cohort, its stop "
+                          "conditions, its store); start it at each replica you mean, kvctl --socket REPLICA_SOCKET "
+                          "rollout start ...; kvctl rollout status here shows each replica's", "not_found")
 
     @app.get("/admin/events")
     async def events_everywhere(http: Request, _: Caller = Depends(admin)):
