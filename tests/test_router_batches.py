@@ -234,6 +234,15 @@ def test_with_batch_via_a_batch_s_requests_go_through_the_router_to_every_replic
         "0 failed; sent through kvd router at /run/kvd/router.sock (batch_via)")
 
 
+async def batch_served(home, content: bytes) -> dict:
+    """Upload `content` to kvd's Unix app `home`, make a batch of it and wait for it to end: the batch."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=home), base_url="http://kvd", timeout=60) as client:
+        uploaded = await client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+        made = await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT,
+                                                      "completion_window": "24h"})
+        return (await ended_as(client, made.json()["id"], "default")).json()
+
+
 async def ended_as(client, batch_id: str, tenant: str):
     for _ in range(1200):
         answer = await client.get(f"/v1/batches/{batch_id}", headers={"X-KVD-Tenant": tenant})
@@ -265,19 +274,8 @@ def test_a_router_down_or_a_replica_failing_behind_it_has_the_line_served_again_
     services, router, _ = fleet
     flaky = Flaky(router, down=3, failing=2)
     services[0].batches.transport_to = lambda socket: flaky
-    home = services[0].batches.lines_app
-
-    async def go():
-        transport = httpx.ASGITransport(app=home)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
-            uploaded = await client.post("/v1/files", files={"file": ("in.jsonl", lines(4, "S."))},
-                                         data={"purpose": "batch"})
-            made = await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT,
-                                                          "completion_window": "24h"})
-            return (await ended_as(client, made.json()["id"], "default")).json()
-
     with caplog.at_level("WARNING", logger="kvd"):
-        done = asyncio.run(go())
+        done = asyncio.run(batch_served(services[0].batches.lines_app, lines(4, "S.")))
     assert (flaky.down, flaky.failing) == (0, 0)
     assert done["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
     sent = [r.getMessage() for r in caplog.records if "could not be sent" in r.getMessage()]
@@ -503,18 +501,7 @@ def test_a_line_whose_token_the_router_refuses_is_served_again_and_the_router_as
     router.trusted_proxy = True
     rotated = TokenRotated(front)
     services[0].batches.transport_to = lambda via: rotated
-    home = services[0].batches.lines_app
-
-    async def go():
-        transport = httpx.ASGITransport(app=home)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
-            uploaded = await client.post("/v1/files", files={"file": ("in.jsonl", lines(1, "S."))},
-                                         data={"purpose": "batch"})
-            made = await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT,
-                                                          "completion_window": "24h"})
-            return (await ended_as(client, made.json()["id"], "default")).json()
-
-    done = asyncio.run(go())
+    done = asyncio.run(batch_served(services[0].batches.lines_app, lines(1, "S.")))
     assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
     assert front.paths == ["/router/status", "401", "/router/status", CHAT]
 
