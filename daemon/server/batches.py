@@ -403,7 +403,8 @@ class BatchRunner:
         except httpx.HTTPError as exc:  # (kvd's own app, in process: not expected; a router down) served again
             self.unsent_warnings.warning("batch %s: a request could not be sent%s (%s); it is served again", batch.id,
                                          f" to kvd router at {via.target}" if via is not None else "", described(exc))
-            self._not_going(f"it could not be reached ({described(exc)})")
+            if via is not None:  # (kvd's own app, in process, is not a router that lines wait for)
+                self._not_going(f"it could not be reached ({described(exc)})")
             status = 503
         if via is not None and via.over_tcp and status in TOKEN_REFUSED:  # not the line's fault: its word asked again
             self.via_checked.pop(via, None)
