@@ -112,16 +112,16 @@ def test_a_batch_is_served_where_its_file_is_and_found_there_by_a_router_that_di
 
 
 class ClosesAfterReading(httpx.AsyncBaseTransport):
-    """A replica that reads a request's whole body, then closes the connection without answering
-    (`read`: the bodies of the POSTs)."""
+    """A replica that reads a POST's whole body, then closes the connection without answering
+    (`read`: their bodies); it answers a GET (the router asking what a tenant's files take) with none."""
 
     def __init__(self) -> None:
         self.read: list[bytes] = []
 
     async def handle_async_request(self, request):
-        body = b"".join([piece async for piece in request.stream])
-        if request.method == "POST":
-            self.read.append(body)
+        if request.method == "GET":
+            return httpx.Response(200, json={"files": [], "tenants": {}})
+        self.read.append(b"".join([piece async for piece in request.stream]))
         raise httpx.RemoteProtocolError("server disconnected without sending a response", request=request)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -32,15 +31,6 @@ class BatchViaError(ValueError):
 
 def is_url(target: str) -> bool:
     return target.startswith(("http://", "https://"))
-
-
-def check_target(value: str) -> None:
-    """ValueError where `value` is neither a Unix socket's path nor an http(s) URL with a host."""
-    if value.startswith("/"):
-        return
-    if is_url(value) and urlsplit(value).hostname:
-        return
-    raise ValueError("must be a kvd router's Unix socket (a path) or the http(s) URL of its TCP front")
 
 
 @dataclass(frozen=True)

@@ -14,29 +14,21 @@ uploads through two routers at once are each checked alone.
 from __future__ import annotations
 
 import asyncio
-import json
 import weakref
-from typing import Awaitable, Callable
+from typing import Sequence
 
 from .batch_routes import ELSEWHERE_HEADER
 
-Ask = Callable[[object], Awaitable[object]]  # a replica's /admin/files answer for the tenant (a Response)
 
-
-async def bytes_by_replica(replicas: list, tenant: str, ask: Ask) -> dict[int, int]:
-    """What `tenant`'s files take at each replica that answers, by id() of the replica."""
-    async def one(replica) -> int | None:
-        try:
-            answer = await ask(replica)
-            if answer.status_code != 200:
-                return None
-            row = json.loads(answer.body).get("tenants", {}).get(tenant)
-            return int(row["bytes"]) if isinstance(row, dict) else 0
-        except Exception:  # (not answered, or not as a kvd: its files unknown, counted at nothing)
-            return None
-
-    held = await asyncio.gather(*(one(replica) for replica in replicas))
-    return {id(replica): bytes_ for replica, bytes_ in zip(replicas, held) if bytes_ is not None}
+def bytes_by_replica(replicas: Sequence, tenant: str, answers: Sequence[tuple]) -> dict[int, int]:
+    """What `tenant`'s files take at each replica whose `/admin/files?tenant=` answer (status,
+    body: fleet_admin's Answer) came, by id() of the replica; one that did not is left out."""
+    held = {}
+    for replica, (status, body) in zip(replicas, answers):
+        if status == 200 and isinstance(body, dict) and isinstance(body.get("tenants"), dict):
+            row = body["tenants"].get(tenant)
+            held[id(replica)] = int(row["bytes"]) if isinstance(row, dict) else 0
+    return held
 
 
 def elsewhere_header(held: dict[int, int], replica) -> dict[str, str]:

@@ -713,10 +713,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     async def files_held(who: Caller) -> dict[int, int]:
         """What the caller's tenant's files take at each replica that keeps files and answers."""
-        tenant = files_tenant(who)
-        return await bytes_by_replica([r for r in service.replicas if r.role != "prefill"], tenant,
-                                      lambda replica: relayed_or_raise(replica, "GET", "/admin/files", who,
-                                                                       params={"tenant": tenant}))
+        tenant, keepers = files_tenant(who), [r for r in service.replicas if r.role != "prefill"]
+        answers = await each_replica(keepers, "GET", "/admin/files?" + urlencode({"tenant": tenant}))
+        return bytes_by_replica(keepers, tenant, answers)
 
     @app.api_route("/v1/files/{file_id}", methods=["GET", "DELETE"])
     async def kept_file(file_id: str, http: Request, who: Caller = Depends(caller)):
