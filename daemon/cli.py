@@ -761,6 +761,9 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
 
     loop.add_signal_handler(signal.SIGHUP, reload)
     followers = service.follow()
+    from kvctl.daemon.server.fleet_rollouts import watch
+
+    rollout_watch = asyncio.create_task(watch(lambda: service.replicas, service.ask_each))
     log.info("kvd router listening on %s%s, %s routing over %s (view: %s)", socket_path,
              f" and {listen}" + (" (TLS)" if tls else "") if listen else "", service.router.name,
              ", ".join(r.name for r in service.replicas), service.view)
@@ -781,6 +784,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     finally:
         keeper.cancel()
         slow_pauses.cancel()
+        rollout_watch.cancel()
         if certificate_check is not None:
             certificate_check.cancel()
         followers = [task for r in service.replicas for task in r.tasks]  # with those that joined later

@@ -75,6 +75,39 @@ FRESH_START_S = 3600.0  # a replica up less than this is named under the fleet's
 PHASE_NAMES = {"tiers": "tiers (disk scan)"}  # a start's phases as kvctl names them
 
 
+def cohort_text(rollout: dict) -> str:
+    """A running or paused rollout's settings and cohort share (its summary in a status answer)."""
+    settings = ", ".join(f"{name} {value}" for name, value in rollout["settings"].items())
+    return f"{settings} for {rollout['fraction']:.0%} of traffic ({rollout['policy'] or 'unnamed'}"
+
+
+def rollout_lines(statuses: list[dict]) -> list[Text]:
+    """The rollouts running or paused behind the router: a fleet rollout once, with the replicas
+    that run it (and those that answer without it), and a replica's own rollout under its name."""
+    answering = [s for s in statuses if "error" not in s]
+    fleets: dict[str, list[tuple[str, dict]]] = {}
+    lines = []
+    for status in answering:
+        rollout = status.get("rollout")
+        if not rollout:
+            continue
+        if rollout.get("fleet"):
+            fleets.setdefault(rollout["fleet"], []).append((status["replica"], rollout))
+        else:
+            lines.append(Text(f"{status['replica']} rollout {rollout['id']} {rollout['state']}: "
+                              f"{cohort_text(rollout)}; kvctl --socket REPLICA rollout status {rollout['id']})"))
+    for fleet, rows in fleets.items():
+        states = sorted({rollout["state"] for _, rollout in rows})
+        names = {name for name, _ in rows}
+        without = [s["replica"] for s in answering if s["replica"] not in names]
+        text = Text(f"fleet rollout {fleet} {' and '.join(states)}: {cohort_text(rows[0][1])}; kvctl rollout status "
+                    f"{fleet}) at {', '.join(name for name, _ in rows)}")
+        if without:
+            text.append(f"; not at {', '.join(without)}", style="yellow")
+        lines.append(text)
+    return lines
+
+
 def before_load(start: dict) -> float | None:
     """Seconds of a start (`/admin/status` start) before the load: imports, settings."""
     ready = start["ready_after_seconds"]
@@ -255,6 +288,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
                            f"{size(replies['bytes'])} of {size(replies['budget_bytes'])}, to weigh a next turn as "
                            "the replica prompts it" + (f"; {replies['dropped']:,} let go for room"
                                                        if replies["dropped"] else "")))
+    router += rollout_lines(data["replica_status"])
     if data.get("tls"):  # the router's own TCP front (daemon/server/tls.py)
         router.append(Text.assemble("kvd router's TLS: ", tls_text(data["tls"])))
     if reserved["policies"]:  # what preemption cost the fleet, and what its reservations leave unwritten

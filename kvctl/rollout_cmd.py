@@ -16,6 +16,7 @@ from .tables import compact_table, duration, keep_whole, when
 
 rollout_app = typer.Typer(help="Gradual rollouts of cache settings with stop conditions.", no_args_is_help=True)
 AS_JSON = typer.Option(False, "--json", help="Print JSON.")
+ROLLOUT_ID = "Rollout id: its number, or a fleet rollout's id (fleet-...; the only kind at kvd router)"
 
 
 FIGURES = ("requests", "recomputed_token_ratio", "hit_ratio", "ttft_p50_seconds", "ttft_p95_seconds",
@@ -58,7 +59,9 @@ def _render(d: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(f"rollout {d['id']}: {d['state']}, cohort {d['fraction']:.0%}, policy "
                   f"{d['policy'].get('name', '-')} (version {d['policy'].get('version')})"
-                  + (f", ADR {d['adr_id']}" if d.get("adr_id") else ""))
+                  + (f", ADR {d['adr_id']}" if d.get("adr_id") else "")
+                  + (f", one of fleet rollout {d['policy']['fleet']}" if d["policy"].get("fleet") else ""),
+                  highlight=False)
     settings = ", ".join(f"{name} {value}" for name, value in d["policy"].get("settings", {}).items())
     in_effect = d.get("settings_in_effect")
     if in_effect is None:
@@ -107,14 +110,28 @@ def _render(d: dict, console: Console | None = None) -> None:
 
 
 def _emit(data: dict, as_json: bool) -> None:
-    emit(data, as_json, _render)
+    """A rollout's report; at kvd router, a fleet rollout's: its state, then each replica's."""
+    emit(data, as_json, _fleet_render if "replicas" in data else _render)
+
+
+def _fleet_render(d: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    if d.get("fleet"):
+        done = {"advance": "advanced", "pause": "paused", "resume": "resumed", "rollback": "rolled back",
+                "complete": "completed"}.get(d.get("action"), "")
+        console.print(f"fleet rollout {d['fleet']}: {d['state']}" + (f" ({done} at every replica that has it)"
+                                                                    if done and d.get("result") == "ok" else ""),
+                      style="bold", highlight=False)
+    if d.get("message"):
+        console.print(f"[yellow]{d['message']}[/yellow]", highlight=False)
+    _each_replica(_render)(d)
 
 
 def _each_replica(render):
     """At kvd router, `render` of each replica's report under its name (a rollout is a replica's
     own: each runs, stops and numbers its rollouts apart); one without says why."""
-    def each(d: dict) -> None:
-        console = Console()
+    def each(d: dict, console: Console | None = None) -> None:
+        console = console or Console()
         for row in d["replicas"]:
             console.print(f"replica {row['replica']}", style="bold", highlight=False)
             if "report" in row:
@@ -133,6 +150,9 @@ def start(ctx: typer.Context, policy: Path = typer.Option(..., "--policy", help=
           as_json: bool = AS_JSON) -> None:
     """Start rolling a policy out to a cohort; kvd rolls back by itself when a stop condition trips.
 
+    At kvd router: one rollout at every replica under one fleet id (a tenant on the same side
+    everywhere; a stop at one replica rolls it back at all of them).
+
     Example: kvctl rollout start --policy p95.yaml --cohort 10% --stop "recomputed_token_ratio > 1.2 * baseline"
     """
     import yaml  # (loaded by the one command that reads a policy file)
@@ -148,7 +168,8 @@ def start(ctx: typer.Context, policy: Path = typer.Option(..., "--policy", help=
 
 
 @rollout_app.command("status")
-def status(ctx: typer.Context, rollout_id: Optional[int] = typer.Argument(None, help="Rollout id (default: latest)."),
+def status(ctx: typer.Context,
+           rollout_id: Optional[str] = typer.Argument(None, help=ROLLOUT_ID + " (default: latest)."),
            as_json: bool = AS_JSON) -> None:
     """Cohort against baseline, stop conditions and the transitions so far.
 
@@ -156,9 +177,9 @@ def status(ctx: typer.Context, rollout_id: Optional[int] = typer.Argument(None, 
     """
     client = client_for(ctx)
     latest = client.get("/admin/rollouts/history?limit=1")
-    if "replicas" in latest:  # kvd router: each replica's (by its own id where one is given)
+    if "replicas" in latest:  # kvd router: each replica's newest, or a fleet rollout at each replica
         path = "/admin/rollouts" if rollout_id is None else f"/admin/rollouts/{rollout_id}"
-        emit(client.get(path), as_json, _each_replica(_render))
+        emit(client.get(path), as_json, _fleet_render)
         return
     if rollout_id is None and not latest["rollouts"]:
         if as_json:
@@ -187,19 +208,22 @@ def list_rollouts(ctx: typer.Context, limit: int = typer.Option(20, "--limit", h
             console.print("no rollout has been started; start one with `kvctl rollout start`")
             return
         now = time.time()
-        table = compact_table("id", "state", "cohort", "policy", "started", "latest", "adr")
+        fleets = any(r["policy"].get("fleet") for r in d["rollouts"])
+        table = compact_table("id", "state", "cohort", "policy", "started", "latest", "adr", *(["fleet"] * fleets))
         for r in d["rollouts"]:
-            table.add_row(str(r["id"]), r["state"] + (" (not stored)" if r.get("unstored") else ""), f"{r['fraction']:.0%}", r["policy"].get("name", "-"),
+            table.add_row(str(r["id"]), r["state"] + (" (not stored)" if r.get("unstored") else ""),
+                          f"{r['fraction']:.0%}", r["policy"].get("name", "-"),
                           when(r["created_at"]), f"{r['last_action']} {duration(now - r['last_at'])} ago",
-                          "-" if r["adr_id"] is None else str(r["adr_id"]))
-        keep_whole(table, 0, 4, 5)
+                          "-" if r["adr_id"] is None else str(r["adr_id"]),
+                          *([r["policy"].get("fleet") or "-"] * fleets))
+        keep_whole(table, 0, 4, *([1, 7] if fleets else [5]))  # (the latest transition wraps before a fleet id)
         console.print(table)
 
     emit(data, as_json, _each_replica(render) if "replicas" in data else render)
 
 
 @rollout_app.command("advance")
-def advance(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rollout id."),
+def advance(ctx: typer.Context, rollout_id: str = typer.Argument(..., help=ROLLOUT_ID + "."),
             to: str = typer.Option(..., "--to", help="New cohort share, e.g. 50%."), as_json: bool = AS_JSON) -> None:
     """Grow (or shrink) the cohort.
 
@@ -209,7 +233,8 @@ def advance(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Roll
 
 
 @rollout_app.command("pause")
-def pause(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rollout id."), as_json: bool = AS_JSON) -> None:
+def pause(ctx: typer.Context, rollout_id: str = typer.Argument(..., help=ROLLOUT_ID + "."),
+          as_json: bool = AS_JSON) -> None:
     """Stop sending new requests to the cohort settings (resume continues).
 
     Example: kvctl rollout pause 3
@@ -218,7 +243,8 @@ def pause(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rollou
 
 
 @rollout_app.command("resume")
-def resume(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rollout id."), as_json: bool = AS_JSON) -> None:
+def resume(ctx: typer.Context, rollout_id: str = typer.Argument(..., help=ROLLOUT_ID + "."),
+           as_json: bool = AS_JSON) -> None:
     """Continue a paused rollout.
 
     Example: kvctl rollout resume 3
@@ -227,7 +253,7 @@ def resume(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rollo
 
 
 @rollout_app.command("rollback")
-def rollback(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rollout id."),
+def rollback(ctx: typer.Context, rollout_id: str = typer.Argument(..., help=ROLLOUT_ID + "."),
              reason: str = typer.Option(..., "--reason", help="Why, for the record."), as_json: bool = AS_JSON) -> None:
     """Return everyone to the baseline settings.
 
@@ -237,7 +263,8 @@ def rollback(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rol
 
 
 @rollout_app.command("complete")
-def complete(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rollout id."), as_json: bool = AS_JSON) -> None:
+def complete(ctx: typer.Context, rollout_id: str = typer.Argument(..., help=ROLLOUT_ID + "."),
+             as_json: bool = AS_JSON) -> None:
     """Make the cohort's settings everyone's.
 
     Example: kvctl rollout complete 3

@@ -17,7 +17,7 @@ from rich.text import Text
 from kvctl.daemon.server.block_map import BLOCK_STATES, fold_block_map
 
 from .command_kit import client_for, emit, redraw
-from .fleet_status import (PHASE_NAMES, before_load, is_fleet, prompts, render_fleet_status, reservation_text,
+from .fleet_status import (PHASE_NAMES, before_load, cohort_text, is_fleet, prompts, render_fleet_status, reservation_text,
                            step_failures_line, store_trouble)
 from .gc_status import gc_line
 from .hit_curve_cmd import twice_the_cache
@@ -290,9 +290,9 @@ def render_status(data: dict, console: Console | None = None):
         facts.add_row("kv transfer", transfer_line(transfers))
     rollout = data.get("rollout")
     if rollout:
-        settings = ", ".join(f"{name} {value}" for name, value in rollout["settings"].items())
-        facts.add_row("rollout", f"{rollout['id']} {rollout['state']}: {settings} for {rollout['fraction']:.0%} "
-                                 f"of traffic ({rollout['policy'] or 'unnamed'}; kvctl rollout status {rollout['id']})")
+        facts.add_row("rollout", f"{rollout['id']} {rollout['state']}: {cohort_text(rollout)}"
+                                 + (f", one of fleet rollout {rollout['fleet']}" if rollout.get("fleet") else "")
+                                 + f"; kvctl rollout status {rollout['id']})")
     cache = data.get("cache") or {}
     if cache.get("uncalibrated"):
         facts.add_row("cache format", Text(f"{cache['layout']}: UNCALIBRATED, unit scales", style="bold red"))

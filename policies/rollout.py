@@ -12,6 +12,8 @@ A stop condition compares a cohort figure with a constant or with the baseline's
 from __future__ import annotations
 
 import hashlib
+import re
+import secrets
 from dataclasses import dataclass
 
 from .figure_condition import FigureCondition
@@ -23,9 +25,24 @@ MIN_REQUESTS = 5  # requests on each side before a stop condition compares them
 MIN_REQUESTS_FOR = {"ttft_p95_seconds": 20, "tpot_p95_seconds": 20}
 
 
-def in_cohort(rollout_id: int, key: str, fraction: float) -> bool:
-    """Stable: SHA-256 of (rollout, key) mapped to [0, 1); the same key always lands the same way."""
-    digest = hashlib.sha256(f"kvctl/rollout/v1\0{rollout_id}\0{key}".encode()).digest()
+# a fleet rollout's name (kvd router starts one rollout at every replica, each with its own number)
+FLEET_ID = re.compile(r"fleet-[0-9a-f]{12}")
+
+
+def new_fleet_id() -> str:
+    return f"fleet-{secrets.token_hex(6)}"
+
+
+def cohort_salt(rollout_id: int, fleet: str | None) -> str:
+    """What a rollout's cohort hash is salted with: its fleet id where it is one rollout of a fleet
+    rollout (a tenant then lands on the same side at every replica), else its own number."""
+    return fleet if fleet else str(rollout_id)
+
+
+def in_cohort(salt: int | str, key: str, fraction: float) -> bool:
+    """Stable: SHA-256 of (rollout, key) mapped to [0, 1); the same key always lands the same way.
+    `salt`: the rollout's number, or what `cohort_salt` gives."""
+    digest = hashlib.sha256(f"kvctl/rollout/v1\0{salt}\0{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 

@@ -357,28 +357,28 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         return {"rollouts": service.rollouts.history(limit)}
 
     @router.get("/admin/rollouts/{rollout_id}")
-    def rollout_status(rollout_id: int, _: Principal = Depends(admin)):
-        return rollout_ops.rollout_status(service, rollout_id)
+    def rollout_status(rollout_id: str, _: Principal = Depends(admin)):
+        return rollout_ops.rollout_status(service, service.rollouts.resolve(rollout_id))
 
     @router.post("/admin/rollouts/{rollout_id}/advance")
-    def rollout_advance(rollout_id: int, body: RolloutAdvance, who: Principal = Depends(admin)):
-        return service.rollouts.advance(rollout_id, body.to, who.actor)
+    def rollout_advance(rollout_id: str, body: RolloutAdvance, who: Principal = Depends(admin)):
+        return service.rollouts.advance(service.rollouts.resolve(rollout_id), body.to, who.actor)
 
     @router.post("/admin/rollouts/{rollout_id}/pause")
-    def rollout_pause(rollout_id: int, who: Principal = Depends(admin)):
-        return service.rollouts.pause(rollout_id, who.actor)
+    def rollout_pause(rollout_id: str, who: Principal = Depends(admin)):
+        return service.rollouts.pause(service.rollouts.resolve(rollout_id), who.actor)
 
     @router.post("/admin/rollouts/{rollout_id}/resume")
-    def rollout_resume(rollout_id: int, who: Principal = Depends(admin)):
-        return service.rollouts.resume(rollout_id, who.actor)
+    def rollout_resume(rollout_id: str, who: Principal = Depends(admin)):
+        return service.rollouts.resume(service.rollouts.resolve(rollout_id), who.actor)
 
     @router.post("/admin/rollouts/{rollout_id}/rollback")
-    def rollout_rollback(rollout_id: int, body: RolloutRollback, who: Principal = Depends(admin)):
-        return service.rollouts.rollback(rollout_id, body.reason, who.actor)
+    def rollout_rollback(rollout_id: str, body: RolloutRollback, who: Principal = Depends(admin)):
+        return service.rollouts.rollback(service.rollouts.resolve(rollout_id), body.reason, who.actor)
 
     @router.post("/admin/rollouts/{rollout_id}/complete")
-    def rollout_complete(rollout_id: int, who: Principal = Depends(admin)):
-        return rollout_ops.complete_rollout(service, rollout_id, who)
+    def rollout_complete(rollout_id: str, who: Principal = Depends(admin)):
+        return rollout_ops.complete_rollout(service, service.rollouts.resolve(rollout_id), who)
 
     @router.post("/admin/calibrate")
     def calibrate(body: CalibrateRequest, who: Principal = Depends(admin)):

@@ -45,7 +45,9 @@ from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.daemon.store import Store, StoreUnavailable
 from kvctl.daemon.whole_file import write_json_whole
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.rollout import MIN_REQUESTS, StopCondition, in_cohort, parse_fraction
+from kvctl.policies.rollout import FLEET_ID, MIN_REQUESTS, StopCondition, cohort_salt, in_cohort, parse_fraction
+
+from .whole_numbers import whole_number
 
 from .calls import ServiceError
 
@@ -159,6 +161,10 @@ def validate_policy(policy: object) -> dict:
     if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
         raise ServiceError(400, f"policy.min_requests: must be a whole number of at least 1, got {wanted!r}",
                            "policy")
+    fleet = policy.get("fleet")
+    if fleet is not None and not (isinstance(fleet, str) and FLEET_ID.fullmatch(fleet)):
+        raise ServiceError(400, f"policy.fleet: expected a fleet rollout's id (fleet- and 12 hex digits, as kvd "
+                                f"router names one), got {fleet!r}", "policy")
     if policy.get("by", "tenant") not in ("tenant", "request"):
         raise ServiceError(400, f"policy.by: invalid value {policy.get('by')!r}; use tenant or request", "policy")
     return policy
@@ -201,6 +207,21 @@ class RolloutManager:
     def _event(self, conn, rollout_id: int, actor: str, action: str, detail: dict, at: float | None = None) -> None:
         conn.execute("INSERT INTO rollout_events (rollout_id, at, actor, action, detail) VALUES (?, ?, ?, ?, ?)",
                      (rollout_id, self.clock() if at is None else at, actor, action, json.dumps(detail, sort_keys=True)))
+
+    def resolve(self, given: str) -> int:
+        """A rollout named in a path: by its number, or by the fleet rollout it is one of (the
+        newest of this replica's rollouts with that fleet id; kvd router names a fleet rollout so)."""
+        number = whole_number(given)
+        if number is not None:
+            return number
+        if not FLEET_ID.fullmatch(given):
+            raise ServiceError(400, f"rollout_id: expected a rollout's number or a fleet rollout's id (fleet- and 12 "
+                                    f"hex digits), got {given[:80]!r}", "rollout_id")
+        row = self.store.read_one("SELECT id FROM rollouts WHERE json_extract(policy, '$.fleet') = ? "
+                                  "ORDER BY id DESC LIMIT 1", (given,))
+        if row is None:
+            raise ServiceError(404, f"rollout {given}: no rollout of that fleet rollout here", "rollout_id")
+        return row[0]
 
     def restore(self) -> None:
         row = self.store.read_one("SELECT id FROM rollouts WHERE state IN ('running', 'paused') "
@@ -291,7 +312,8 @@ class RolloutManager:
                 if self.active is not None:
                     raise ServiceError(409, f"rollout {self.active['id']} is {self.active['state']}; complete or "
                                             "roll it back first")
-            digest = hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()[:12]
+            versioned = {key: value for key, value in policy.items() if key != "fleet"}  # the same policy, alone or not
+            digest = hashlib.sha256(json.dumps(versioned, sort_keys=True).encode()).hexdigest()[:12]
             policy = {**policy, "version": digest}
             with self.store.write() as conn:
                 rollout_id = conn.execute(
@@ -423,7 +445,8 @@ class RolloutManager:
             if rollout is None:
                 return None, None, None
             key = request_id if rollout["policy"].get("by") == "request" else tenant
-            chosen = rollout["state"] == "running" and in_cohort(rollout["id"], key, rollout["fraction"])
+            salt = cohort_salt(rollout["id"], rollout["policy"].get("fleet"))
+            chosen = rollout["state"] == "running" and in_cohort(salt, key, rollout["fraction"])
             return (self.candidate, self.candidate_speculation, "candidate") if chosen else (None, None, "baseline")
 
     def observe(self, request: Request) -> None:
@@ -515,6 +538,7 @@ class RolloutManager:
             if rollout is None:
                 return None
             return {"id": rollout["id"], "state": rollout["state"], "fraction": rollout["fraction"],
+                    **({"fleet": rollout["policy"]["fleet"]} if rollout["policy"].get("fleet") else {}),
                     "policy": rollout["policy"].get("name") or "", "version": rollout["policy"]["version"],
                     "settings": rollout["policy"]["settings"]}
 

@@ -60,6 +60,7 @@ from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, bodies_or_errors,
 from .fleet_differences import fleet_differences
 from .fleet_files import TenantTurns, bytes_by_replica, elsewhere_header
 from .fleet_pins import sync_pins
+from . import fleet_rollouts
 from .health_checks import fleet_report
 from .fleet_trace import merge_traces, trace_query
 from .log_throttle import EveryFewSeconds
@@ -409,11 +410,26 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                         ("/admin/rollouts/history", replica_reports)):
         merged_listing(path, merge)
 
+    # fleet rollouts (fleet_rollouts.py): one rollout at every replica, named by its fleet id here
     @app.post("/admin/rollouts")
-    async def no_fleet_rollout(_: Caller = Depends(admin)):
-        return error(404, "kvd router does not start rollouts: a rollout is a replica's own (its cohort, its stop "
-                          "conditions, its store); start it at each replica you mean, kvctl --socket REPLICA_SOCKET "
-                          "rollout start ...; kvctl rollout status here shows each replica's", "not_found")
+    async def fleet_rollout_start(http: Request, _: Caller = Depends(admin)):
+        status, body = await fleet_rollouts.start_everywhere(service.replicas, service.ask_each, await http.body())
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/admin/rollouts/{rollout_id}")
+    async def fleet_rollout_status(rollout_id: str, _: Caller = Depends(admin)):
+        status, body = fleet_rollouts.fleet_named(rollout_id) or \
+            await fleet_rollouts.status_everywhere(service.replicas, service.ask_each, rollout_id)
+        return JSONResponse(body, status_code=status)
+
+    @app.post("/admin/rollouts/{rollout_id}/{action}")
+    async def fleet_rollout_move(rollout_id: str, action: str, http: Request, _: Caller = Depends(admin)):
+        if action not in fleet_rollouts.MOVES:
+            return error(404, f"action: a rollout moves by {', '.join(fleet_rollouts.MOVES)}, got {action[:40]!r}",
+                         "not_found")
+        status, body = fleet_rollouts.fleet_named(rollout_id) or await fleet_rollouts.move_everywhere(
+            service.replicas, service.ask_each, rollout_id, action, await http.body())
+        return JSONResponse(body, status_code=status)
 
     @app.get("/admin/events")
     async def events_everywhere(http: Request, _: Caller = Depends(admin)):
