@@ -91,7 +91,9 @@ def _render(d: dict, console: Console | None = None) -> None:
             line += (" [yellow]— few tenants make a coarse split; `by: request` in the policy splits "
                      "requests[/yellow]")
         console.print(line)
-    if traffic and d["state"] == "running" and d["stops"] and not traffic["stops_checked"]:
+    if d["policy"].get("judged") == "fleet":
+        console.print("stop conditions judged by kvd router on the fleet's figures (judged: fleet)")
+    elif traffic and d["state"] == "running" and d["stops"] and not traffic["stops_checked"]:
         console.print(f"[yellow]stop conditions not checked yet: they wait for {traffic['stops_waiting_for']}"
                       "[/yellow]")
     for stop in d["stops"]:
@@ -124,6 +126,10 @@ def _fleet_render(d: dict, console: Console | None = None) -> None:
                       style="bold", highlight=False)
     if d.get("message"):
         console.print(f"[yellow]{d['message']}[/yellow]", highlight=False)
+    pooled = d.get("fleet_figures")
+    if pooled:
+        console.print(_figures_table(pooled["cohort"], pooled["baseline"],
+                                     f"figures across the fleet ({', '.join(pooled['replicas'])})"))
     _each_replica(_render)(d)
 
 

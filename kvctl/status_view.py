@@ -17,8 +17,8 @@ from rich.text import Text
 from kvctl.daemon.server.block_map import BLOCK_STATES, fold_block_map
 
 from .command_kit import client_for, emit, redraw
-from .fleet_status import (PHASE_NAMES, before_load, cohort_text, is_fleet, prompts, render_fleet_status, reservation_text,
-                           step_failures_line, store_trouble)
+from .fleet_status import (PHASE_NAMES, before_load, cohort_text, is_fleet, prompts, render_fleet_status,
+                           reservation_text, step_failures_line, store_trouble)
 from .gc_status import gc_line
 from .hit_curve_cmd import twice_the_cache
 from .software_status import software_line

@@ -244,3 +244,69 @@ def test_a_replica_that_joined_the_fleet_since_gets_the_fleet_rollout_as_it_runs
     assert watch_once(router) == []  # every replica has it now
     shown = call(router_app(apps, "round_robin")[1], "GET", f"/admin/rollouts/{fleet_id}").json()
     assert shown["state"] == "paused"
+
+
+def finished(prompt_tokens: int, cached: int, ttft: float, token_times: list[float], recomputed: int = 0):
+    """A finished request as CohortStats.add reads one."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(prompt_ids=[0] * prompt_tokens, metrics=SimpleNamespace(
+        cached_tokens=cached, recomputed_tokens=recomputed, preemptions=1 if recomputed else 0, finished_blocks=4,
+        reserved_unused_blocks=1, ttft=ttft, token_times=token_times))
+
+
+def test_a_side_pooled_across_replicas_has_the_figures_of_all_their_requests():
+    from kvctl.daemon.server.cohort_stats import CohortStats
+
+    requests = [finished(100 + i, 16 * (i % 3), 0.05 * (i + 1), [0.0, 0.01 * (i + 1), 0.03 * (i + 1)],
+                         recomputed=i % 2) for i in range(9)]
+    whole, parts = CohortStats(), [CohortStats(), CohortStats(), CohortStats()]
+    for i, request in enumerate(requests):
+        whole.add(request)
+        parts[i % 3].add(request)
+    pooled = CohortStats.pooled([part.sides_entry() for part in parts])
+    assert pooled.figures() == whole.figures()
+    assert pooled.figures()["requests"] == 9 and pooled.figures()["ttft_p95_seconds"] == pytest.approx(0.45)
+    assert CohortStats.pooled([]).figures()["requests"] == 0
+
+
+def test_a_fleet_rollout_judged_across_the_fleet_stops_on_the_fleet_s_figures(fleet):
+    services, apps, router, app = fleet
+    body = {"policy": {"name": "pooled", "judged": "fleet", "min_requests": 3, "settings": {"reservation": "p95"}},
+            "cohort": "50%", "stops": ["hit_ratio < 2"]}
+    alone = call(apps[0], "POST", "/admin/rollouts", json=body)
+    assert alone.status_code == 400 and alone.json()["error"]["message"] == (
+        "policy.judged: fleet is for a fleet rollout: start it at kvd router (kvctl rollout start there), which "
+        "judges the stop conditions on every replica's traffic")
+    fleet_id = call(app, "POST", "/admin/rollouts", json=body).json()["fleet"]
+    tenants = [f"tenant-{i}" for i in range(40)]
+    cohort = [t for t in tenants if in_cohort(fleet_id, t, 0.5)][:3]
+    baseline = [t for t in tenants if not in_cohort(fleet_id, t, 0.5)][:3]
+    for replica, names in ((0, cohort[:2] + baseline[:2]), (1, cohort[2:] + baseline[2:])):
+        for tenant in names:
+            answer = call(apps[replica], "POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 2},
+                          headers={"X-KVD-Tenant": tenant})
+            assert answer.status_code == 200
+    for service, each in zip(services, (2, 1)):
+        books = service.rollouts
+        assert settled(lambda: (books.cohort.requests, books.baseline.requests),
+                       lambda sides: sides == (each, each)) == (each, each)
+        assert books.evaluate() is None  # not the replica's to judge (it would trip on 3 a side)
+    shown = call(app, "GET", f"/admin/rollouts/{fleet_id}").json()
+    pooled = shown["fleet_figures"]
+    assert pooled["replicas"] == ["replica-0", "replica-1"]
+    assert (pooled["cohort"]["requests"], pooled["baseline"]["requests"]) == (3, 3)
+    assert all("sides" not in row["report"] for row in shown["replicas"])
+    code, text = kvctl_on(app, ["rollout", "status", fleet_id])
+    assert code == 0 and "figures across the fleet (replica-0, replica-1)" in text
+    assert "stop conditions judged by kvd router on the fleet's figures (judged: fleet)" in text
+    done = watch_once(router)
+    hit, other = pooled["cohort"]["hit_ratio"], pooled["baseline"]["hit_ratio"]
+    reason = (f"stop condition tripped across the fleet (2 replicas, 3 cohort and 3 baseline requests): hit_ratio "
+              f"< 2 (observed {hit:.4g}, threshold 2, baseline {other:.4g}); judged by kvd router's fleet rollout "
+              "watch")
+    assert [(d["action"], d["reason"], d["rolled_back"], d["figures"]["cohort"]["requests"]) for d in done] == [
+        ("rollback", reason, ["replica-0", "replica-1"], 3)]
+    for replica in apps:
+        rolled = newest(replica)
+        assert rolled["state"] == "rolled_back" and rolled["events"][-1]["detail"]["reason"] == reason

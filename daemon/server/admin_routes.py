@@ -357,8 +357,9 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         return {"rollouts": service.rollouts.history(limit)}
 
     @router.get("/admin/rollouts/{rollout_id}")
-    def rollout_status(rollout_id: str, _: Principal = Depends(admin)):
-        return rollout_ops.rollout_status(service, service.rollouts.resolve(rollout_id))
+    def rollout_status(rollout_id: str, samples: bool = False, _: Principal = Depends(admin)):
+        """`samples=true`: each side's totals and latest samples too (kvd router's fleet figures)."""
+        return rollout_ops.rollout_status(service, service.rollouts.resolve(rollout_id), samples)
 
     @router.post("/admin/rollouts/{rollout_id}/advance")
     def rollout_advance(rollout_id: str, body: RolloutAdvance, who: Principal = Depends(admin)):

@@ -18,7 +18,13 @@ digits, in each one's policy as `fleet`):
   rollout that one of them rolled back (a tripped stop condition, or an operator there), saying
   where and why. The watch keeps nothing of its own: it reads each replica's newest rollout, so a
   restarted router, or a second one, sees the same, and a replica that was not reached when the
-  others rolled back is rolled back once it answers.
+  others rolled back is rolled back once it answers;
+- or judged across the fleet, with `judged: fleet` in the policy: no replica judges its own
+  traffic; the watch adds the replicas' sides up (totals summed, samples together:
+  cohort_stats.py) and judges the stop conditions on that, so `min_requests` counts the fleet's
+  requests, and a small unlucky sample at one of N replicas does not stop them all. Not judged
+  while a replica of it is paused or does not answer with its figures. `kvctl rollout status
+  FLEET` at the router shows the figures across the fleet either way (`fleet_figures`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Awaitable, Callable, Sequence
 
 from kvctl.policies.rollout import FLEET_ID, new_fleet_id
 
+from .cohort_stats import CohortStats, first_tripped
 from .fleet_admin import Answer, error_said, none_did, replica_reports
 
 log = logging.getLogger("kvd.router")
@@ -52,8 +59,8 @@ def fleet_named(given: str) -> tuple[int, dict] | None:
     if FLEET_ID.fullmatch(given):
         return None
     return refused(400, f"rollout_id: at kvd router a rollout is named by its fleet id (fleet- and 12 hex digits, as "
-                        f"kvctl rollout start here gave it), got {given[:80]!r}; a replica's rollout number is its own: "
-                        "kvctl --socket REPLICA_SOCKET rollout ...", "invalid_request", "rollout_id")
+                        f"kvctl rollout start here gave it), got {given[:80]!r}; a replica's rollout number is its "
+                        "own: kvctl --socket REPLICA_SOCKET rollout ...", "invalid_request", "rollout_id")
 
 
 def _names(replicas: Sequence, indexes) -> str:
@@ -114,13 +121,30 @@ def fleet_state(rows: list[dict]) -> str:
     return "mixed: " + ", ".join(f"{state} at {name}" for name, state in states.items())
 
 
+def pooled_sides(reports: list[dict]) -> tuple[CohortStats, CohortStats]:
+    """(cohort, baseline) across the replicas' live reports of one fleet rollout (each with its
+    `sides`: totals and latest samples, asked with samples=true)."""
+    return (CohortStats.pooled([report["sides"]["cohort"] for report in reports]),
+            CohortStats.pooled([report["sides"]["baseline"] for report in reports]))
+
+
 async def status_everywhere(replicas: Sequence, ask: Ask, fleet: str) -> tuple[int, dict]:
-    """`GET /admin/rollouts/FLEET` at the router: each replica's rollout of it, and their state."""
-    answers = await ask(replicas, "GET", f"/admin/rollouts/{fleet}", None, MOVE_TIMEOUT_S)
+    """`GET /admin/rollouts/FLEET` at the router: each replica's rollout of it, their state, and
+    while it runs, its figures across the fleet (`fleet_figures`: the replicas' totals added and
+    their samples put together, as a policy's `judged: fleet` is judged)."""
+    answers = await ask(replicas, "GET", f"/admin/rollouts/{fleet}?samples=true", None, MOVE_TIMEOUT_S)
     status, out = replica_reports([r.name for r in replicas], answers)
     if status != 200:
         return status, out
-    return 200, {"fleet": fleet, "state": fleet_state(out["replicas"]), **out}
+    live = [row for row in out["replicas"] if (row.get("report") or {}).get("sides")]
+    figures = None
+    if live:
+        cohort, baseline = pooled_sides([row["report"] for row in live])
+        figures = {"replicas": [row["replica"] for row in live], "cohort": cohort.figures(),
+                   "baseline": baseline.figures()}
+    for row in live:
+        del row["report"]["sides"]  # (samples: the router's to add up, not the caller's to read)
+    return 200, {"fleet": fleet, "state": fleet_state(out["replicas"]), "fleet_figures": figures, **out}
 
 
 async def move_everywhere(replicas: Sequence, ask: Ask, fleet: str, action: str,
@@ -204,17 +228,63 @@ async def watch_once(replicas: Sequence, ask: Ask, said: set | None = None) -> l
         at, body = stopped[0]
         reason = (f"fleet rollout {fleet} was rolled back at {replicas[at].name} ({rollback_reason(body)}): "
                   f"{WATCH_ACTOR_NOTE} rolls it back at every replica")
-        answers = await ask([replicas[i] for i in where], "POST", f"/admin/rollouts/{fleet}/rollback",
-                            json.dumps({"reason": reason}).encode(), MOVE_TIMEOUT_S)
-        rolled = [i for i, (status, _) in zip(where, answers) if status == 200]
-        left = {replicas[i].name: _why(replicas[i], answer) for i, answer in zip(where, answers)
-                if answer[0] not in (200, 409)}  # (409: rolled back meanwhile, by kvd or another router)
+        entry = await _roll_back(replicas, ask, fleet, where, reason)
         log.warning("fleet rollout %s was rolled back at %s (%s): rolled back at %s too%s", fleet, replicas[at].name,
-                    rollback_reason(body), _names(replicas, rolled) or "no other replica",
-                    "; not at " + "; ".join(left.values()) + ": tried again at the next check" if left else "")
-        done.append({"fleet": fleet, "action": "rollback", "rolled_back_at": replicas[at].name, "reason": rollback_reason(body),
-                     "rolled_back": [replicas[i].name for i in rolled], "not_rolled_back": left})
+                    rollback_reason(body), ", ".join(entry["rolled_back"]) or "no other replica",
+                    _not_yet(entry))
+        done.append({**entry, "rolled_back_at": replicas[at].name, "reason": rollback_reason(body)})
+    for fleet, where in running.items():
+        if any(entry["fleet"] == fleet for entry in done):
+            continue
+        judged = await _judge(replicas, ask, fleet, where, newest)
+        if judged is not None:
+            done.append(judged)
     return done
+
+
+async def _roll_back(replicas: Sequence, ask: Ask, fleet: str, where: list[int], reason: str) -> dict:
+    """Roll fleet rollout `fleet` back at the replicas `where`, for `reason`: where it was, and
+    where not (a 409 is one rolled back meanwhile, by kvd or another router: not a failure)."""
+    answers = await ask([replicas[i] for i in where], "POST", f"/admin/rollouts/{fleet}/rollback",
+                        json.dumps({"reason": reason}).encode(), MOVE_TIMEOUT_S)
+    rolled = [replicas[i].name for i, (status, _) in zip(where, answers) if status == 200]
+    left = {replicas[i].name: _why(replicas[i], answer) for i, answer in zip(where, answers)
+            if answer[0] not in (200, 409)}
+    return {"fleet": fleet, "action": "rollback", "rolled_back": rolled, "not_rolled_back": left}
+
+
+def _not_yet(entry: dict) -> str:
+    left = entry["not_rolled_back"]
+    return "; not at " + "; ".join(left.values()) + ": tried again at the next check" if left else ""
+
+
+async def _judge(replicas: Sequence, ask: Ask, fleet: str, where: list[int], newest: list[Answer]) -> dict | None:
+    """A fleet rollout whose policy says `judged: fleet`, running at every replica that has it: its
+    stop conditions against its figures across those replicas (pooled_sides); tripped, it is
+    rolled back at each. Not judged while one of them is paused or does not answer with its figures."""
+    first = newest[where[0]][1]["rollouts"][0]
+    if first["policy"].get("judged") != "fleet" or any(newest[i][1]["rollouts"][0]["state"] != "running"
+                                                        for i in where):
+        return None
+    answers = await ask([replicas[i] for i in where], "GET", f"/admin/rollouts/{fleet}?samples=true", None,
+                        MOVE_TIMEOUT_S)
+    if any(status != 200 or not body.get("sides") for status, body in answers):
+        return None
+    reports = [body for _, body in answers]
+    cohort, baseline = pooled_sides(reports)
+    tripped = first_tripped(reports[0], cohort, baseline)
+    if tripped is None:
+        return None
+    compared = ", ".join(f"{name} {tripped[name]:.4g}" for name in ("observed", "threshold", "baseline")
+                         if isinstance(tripped.get(name), (int, float)))
+    reason = (f"stop condition tripped across the fleet ({len(where)} replicas, {cohort.requests:,} cohort and "
+              f"{baseline.requests:,} baseline requests): {tripped['condition']} ({compared}); judged by "
+              f"{WATCH_ACTOR_NOTE}")
+    entry = await _roll_back(replicas, ask, fleet, where, reason)
+    log.warning("fleet rollout %s: %s; rolled back at %s%s", fleet, reason, ", ".join(entry["rolled_back"]) or
+                "no replica", _not_yet(entry))
+    return {**entry, "rolled_back_at": None, "reason": reason,
+            "figures": {"cohort": cohort.figures(), "baseline": baseline.figures()}}
 
 
 async def _join(replicas: Sequence, ask: Ask, fleet: str, source: int, lacking: list[int],

@@ -59,10 +59,10 @@ def start_rollout(service, policy, fraction, stops: list[str], adr_id: int | Non
     return body
 
 
-def rollout_status(service, rollout_id: int | None = None) -> dict:
+def rollout_status(service, rollout_id: int | None = None, samples: bool = False) -> dict:
     """A rollout as `RolloutManager.status` reports it; a completed one also says whether its
     settings are still in effect (a reload or restart may have reverted them)."""
-    return with_settings_in_effect(service.config, service.rollouts.status(rollout_id))
+    return with_settings_in_effect(service.config, service.rollouts.status(rollout_id, samples))
 
 
 def canonical(name: str, value):

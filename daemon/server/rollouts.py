@@ -21,6 +21,7 @@ Policy file (YAML)::
     name: reserve-p95
     by: tenant            # or: request
     min_requests: 50      # optional; else 5 a side, 20 for a p95 condition (`min_requests`)
+    judged: replica       # or fleet: kvd router judges a fleet rollout on the fleet's figures (fleet_rollouts.py)
     settings:
       reservation: p95
       speculative_config: {num_speculative_tokens: 4}    # or null: none for the cohort
@@ -28,25 +29,22 @@ Policy file (YAML)::
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import logging
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvctl.daemon.config import speculation_of, speculative_config
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.speculative import SpeculationOverride
-from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.daemon.store import Store, StoreUnavailable
 from kvctl.daemon.whole_file import write_json_whole
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.rollout import FLEET_ID, MIN_REQUESTS, StopCondition, cohort_salt, in_cohort, parse_fraction
 
+from .cohort_stats import CohortStats, first_tripped, min_requests
 from .whole_numbers import whole_number
 
 from .calls import ServiceError
@@ -68,55 +66,6 @@ def unstored_text(pending: dict) -> str:
         return ("kvd rolled it back on a stop condition, and the store could not take that yet: kvd tries again at "
                 f"each check and keeps it in {pending['kept']} meanwhile, so a restart keeps it rolled back")
     return UNSTORED
-
-
-@dataclass
-class CohortStats:
-    requests: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    recomputed_tokens: int = 0
-    preemptions: int = 0
-    finished_blocks: int = 0  # blocks its requests held at their finish, and those reserved they never wrote
-    reserved_unused_blocks: int = 0
-    ttfts: deque = field(default_factory=lambda: deque(maxlen=5000))  # the latest 5,000 (percentiles)
-    ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))  # every one (metrics)
-    ttft_sum: float = 0.0
-    tpots: deque = field(default_factory=lambda: deque(maxlen=5000))  # time per output token, the latest 5,000
-
-    def add(self, request: Request) -> None:
-        m = request.metrics
-        self.requests += 1
-        self.prompt_tokens += len(request.prompt_ids)
-        self.hit_tokens += m.cached_tokens
-        self.recomputed_tokens += m.recomputed_tokens
-        self.preemptions += m.preemptions
-        self.finished_blocks += m.finished_blocks
-        self.reserved_unused_blocks += m.reserved_unused_blocks
-        if m.ttft is not None:
-            self.ttfts.append(m.ttft)  # O(1): each finished request during a rollout, on the engine thread
-            self.ttft_buckets[bisect.bisect_left(LATENCY_BUCKETS, m.ttft)] += 1
-            self.ttft_sum += m.ttft
-        if len(m.token_times) > 1:  # decode time over the tokens after the first (sample 0's)
-            self.tpots.append((m.token_times[-1] - m.token_times[0]) / (len(m.token_times) - 1))
-
-    def figures(self) -> dict:
-        prompt = self.prompt_tokens
-        return {"requests": self.requests,
-                "recomputed_token_ratio": self.recomputed_tokens / prompt if prompt else None,
-                "hit_ratio": self.hit_tokens / prompt if prompt else None,
-                "ttft_p50_seconds": percentile(self.ttfts, 0.5), "ttft_p95_seconds": percentile(self.ttfts, 0.95),
-                "preemptions_per_request": self.preemptions / self.requests if self.requests else None,
-                # what a reservation cohort frees: the share of its requests' blocks reserved and never written
-                "reserved_unused_ratio": (self.reserved_unused_blocks / self.finished_blocks
-                                          if self.finished_blocks else None),
-                "tpot_p50_seconds": percentile(self.tpots, 0.5), "tpot_p95_seconds": percentile(self.tpots, 0.95)}
-
-
-def min_requests(rollout: dict, condition: StopCondition) -> int:
-    """Requests each side needs before `condition` is compared: the policy's `min_requests`
-    when it sets one, else what the figure needs (`StopCondition.min_requests`)."""
-    return rollout["policy"].get("min_requests") or condition.min_requests
 
 
 def traffic_split(rollout: dict, cohort: dict, baseline: dict) -> dict:
@@ -165,6 +114,14 @@ def validate_policy(policy: object) -> dict:
     if fleet is not None and not (isinstance(fleet, str) and FLEET_ID.fullmatch(fleet)):
         raise ServiceError(400, f"policy.fleet: expected a fleet rollout's id (fleet- and 12 hex digits, as kvd "
                                 f"router names one), got {fleet!r}", "policy")
+    judged = policy.get("judged", "replica")
+    if judged not in ("replica", "fleet"):
+        raise ServiceError(400, f"policy.judged: invalid value {judged!r}; use replica (each replica judges the stop "
+                                "conditions on its own traffic) or fleet (kvd router judges them on the fleet's)",
+                           "policy")
+    if judged == "fleet" and fleet is None:
+        raise ServiceError(400, "policy.judged: fleet is for a fleet rollout: start it at kvd router (kvctl rollout "
+                                "start there), which judges the stop conditions on every replica's traffic", "policy")
     if policy.get("by", "tenant") not in ("tenant", "request"):
         raise ServiceError(400, f"policy.by: invalid value {policy.get('by')!r}; use tenant or request", "policy")
     return policy
@@ -463,18 +420,12 @@ class RolloutManager:
         with self.lock:
             rollout = self.active
             tripped = None
-            if rollout is not None and rollout["state"] == "running":
-                cohort, baseline = self.cohort.figures(), self.baseline.figures()
-                for text in rollout["stops"]:
-                    condition = StopCondition.parse(text)
-                    needed = min_requests(rollout, condition)
-                    if self.cohort.requests < needed or self.baseline.requests < needed:
-                        continue
-                    trips, values = condition.tripped(cohort, baseline)
-                    if trips:
-                        tripped = {"reason": f"stop condition tripped: {text}", "condition": text, **values,
-                                   "figures": {"cohort": cohort, "baseline": baseline, "since": self.figures_since}}
-                        break
+            # (a fleet rollout judged across the fleet is kvd router's to stop: fleet_rollouts.py)
+            if rollout is not None and rollout["state"] == "running" and rollout["policy"].get("judged") != "fleet":
+                tripped = first_tripped(rollout, self.cohort, self.baseline)
+                if tripped is not None:
+                    tripped["figures"] = {"cohort": self.cohort.figures(), "baseline": self.baseline.figures(),
+                                          "since": self.figures_since}
             if tripped is not None:  # the cohort goes now, whatever the store does
                 self._activate(None)
                 self.unstored = {"rollout_id": rollout["id"], "at": self.clock(), "actor": "kvd",
@@ -496,9 +447,10 @@ class RolloutManager:
                 raise
         return None if tripped is None else self.status(rollout["id"])
 
-    def status(self, rollout_id: int | None = None) -> dict:
+    def status(self, rollout_id: int | None = None, samples: bool = False) -> dict:
         """A rollout (default: the active one, else the latest) with its transitions, and its live
-        figures while it is active. NOTE: the store is read outside `lock`, which the engine
+        figures while it is active (`samples`: each side's totals and latest samples too, `sides`,
+        which kvd router adds up across the fleet). NOTE: the store is read outside `lock`, which the engine
         thread takes: no file I/O under it."""
         active = self.active
         if rollout_id is None:
@@ -523,13 +475,16 @@ class RolloutManager:
             cohort = self.cohort.figures() if live else None
             baseline = self.baseline.figures() if live else None
             since = self.figures_since if live else None
+            sides = {"cohort": self.cohort.sides_entry(), "baseline": self.baseline.sides_entry()} \
+                if live and samples else None
         recorded = [e for e in events if "figures" in e["detail"]]
         return {**row, "events": events, "cohort": cohort, "baseline": baseline,
                 **({"unstored": unstored_text(pending)} if unstored else {}),
                 "figures_since": since,
                 "last_figures": None if not recorded else {
                     "at": recorded[-1]["at"], "action": recorded[-1]["action"], **recorded[-1]["detail"]["figures"]},
-                "traffic": traffic_split(row, cohort, baseline) if live else None}
+                "traffic": traffic_split(row, cohort, baseline) if live else None,
+                **({"sides": sides} if sides is not None else {})}
 
     def summary(self) -> dict | None:
         """The running or paused rollout in a line's worth of fields (for `kvctl status`); None without one."""
