@@ -763,7 +763,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     followers = service.follow()
     from kvctl.daemon.server.fleet_rollouts import watch
 
-    rollout_watch = asyncio.create_task(watch(lambda: service.replicas, service.ask_each))
+    rollout_watch = asyncio.create_task(watch(lambda: service.replicas, service.ask_each, service.rollout_watch))
     log.info("kvd router listening on %s%s, %s routing over %s (view: %s)", socket_path,
              f" and {listen}" + (" (TLS)" if tls else "") if listen else "", service.router.name,
              ", ".join(r.name for r in service.replicas), service.view)

@@ -289,6 +289,11 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
                            "the replica prompts it" + (f"; {replies['dropped']:,} let go for room"
                                                        if replies["dropped"] else "")))
     router += rollout_lines(data["replica_status"])
+    watch = data.get("fleet_rollout_watch")  # (absent from an older router)
+    if watch and watch.get("error"):
+        router.append(Text(f"kvd router's fleet rollout watch: its latest check failed ({watch['error']}; "
+                           f"{watch['failures']:,} so far; its log has each): it tries again every "
+                           f"{watch['every_seconds']:g} s", style="red"))
     if data.get("tls"):  # the router's own TCP front (daemon/server/tls.py)
         router.append(Text.assemble("kvd router's TLS: ", tls_text(data["tls"])))
     if reserved["policies"]:  # what preemption cost the fleet, and what its reservations leave unwritten

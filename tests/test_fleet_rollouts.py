@@ -310,3 +310,47 @@ def test_a_fleet_rollout_judged_across_the_fleet_stops_on_the_fleet_s_figures(fl
     for replica in apps:
         rolled = newest(replica)
         assert rolled["state"] == "rolled_back" and rolled["events"][-1]["detail"]["reason"] == reason
+
+
+def run_watch(router, until, replicas_of=None, timeout: float = 30.0) -> None:
+    """The router's watch as kvd router runs it (every 0.05 s here), until `until()` or `timeout`."""
+    import time
+
+    router.rollout_watch.every_seconds = 0.05
+
+    async def go():
+        task = asyncio.create_task(fleet_rollouts.watch(replicas_of or (lambda: router.replicas), router.ask_each,
+                                                        router.rollout_watch))
+        deadline = time.monotonic() + timeout
+        while not until() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(go())
+
+
+def test_the_router_s_watch_runs_by_itself_and_says_what_it_did_and_when_it_fails(fleet):
+    _, apps, router, app = fleet
+    fleet_id = call(app, "POST", "/admin/rollouts", json=START).json()["fleet"]
+    call(apps[0], "POST", f"/admin/rollouts/{fleet_id}/rollback", json={"reason": "bad at 0"})
+    book = router.rollout_watch
+    run_watch(router, lambda: book.actions["rollback_after_replica"] > 0)
+    assert newest(apps[1])["state"] == "rolled_back"
+    said = call(app, "GET", "/router/status").json()["fleet_rollout_watch"]
+    assert said["actions"] == {"rollback_after_replica": 1, "rollback_judged": 0, "join": 0}
+    assert (said["error"], said["failures"], said["every_seconds"]) == (None, 0, 0.05) and said["checked_at"] > 0
+    scraped = call(app, "GET", "/metrics").text.splitlines()
+    assert 'kvd_router_fleet_rollout_actions_total{action="rollback_after_replica"} 1.0' in scraped
+    assert 'kvd_router_fleet_rollout_actions_total{action="join"} 0.0' in scraped
+    assert "kvd_router_fleet_rollout_watch_failures_total 0.0" in scraped
+
+    def broken():
+        raise RuntimeError("the fleet is not there")
+    run_watch(router, lambda: book.failures >= 2, replicas_of=broken)
+    assert book.error == "RuntimeError: the fleet is not there"
+    code, status = kvctl_on(app, ["status"])
+    assert code == 0
+    assert (f"kvd router's fleet rollout watch: its latest check failed (RuntimeError: the fleet is not there; "
+            f"{book.failures} so far; its log has each): it tries again every 0.05 s") in " ".join(status.split())
+    run_watch(router, lambda: book.error is None)  # a check that runs to its end clears it
+    assert book.error is None and book.actions["rollback_after_replica"] == 1

@@ -32,6 +32,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
 from kvctl.policies.rollout import FLEET_ID, new_fleet_id
@@ -44,6 +47,10 @@ log = logging.getLogger("kvd.router")
 FLEET_WATCH_S = 5.0  # how often the router reads each replica's newest rollout
 MOVE_TIMEOUT_S = 30.0  # a transition may wait for a replica's store (another process holding its write lock)
 ACTIVE = ("running", "paused")
+# what the watch did, by fleet rollout (kvd_router_fleet_rollout_actions_total{action}): rolled back at
+# the other replicas after one rolled it back; rolled back on the fleet's figures (judged: fleet); started
+# at a replica that joined since
+WATCH_ACTIONS = ("rollback_after_replica", "rollback_judged", "join")
 MOVES = ("advance", "pause", "resume", "rollback", "complete")
 WATCH_ACTOR_NOTE = "kvd router's fleet rollout watch"
 
@@ -330,15 +337,39 @@ async def _join(replicas: Sequence, ask: Ask, fleet: str, source: int, lacking: 
              "state": now["state"]}]
 
 
-async def watch(replicas_of: Callable[[], Sequence], ask: Ask, every: float = FLEET_WATCH_S) -> None:
-    """`watch_once` every `every` seconds until cancelled (`replicas_of()`: the fleet as it is now);
-    a check that fails is logged and the next one tries again."""
-    said: set = set()
+@dataclass
+class WatchBook:
+    """What the router's watch has done (its /router/status, kvctl status, and /metrics)."""
+
+    every_seconds: float = FLEET_WATCH_S
+    checked_at: float | None = None  # the latest check that ran to its end (wall clock)
+    error: str | None = None  # why the latest check failed; None once one runs to its end again
+    failures: int = 0
+    actions: Counter = field(default_factory=Counter)  # WATCH_ACTIONS: fleet rollouts acted on
+    said: set = field(default_factory=set)  # (fleet, replica) pairs already logged as left out of a join
+
+    def noted(self, done: list[dict]) -> None:
+        for entry in done:
+            self.actions["join" if entry["action"] == "join" else
+                         "rollback_judged" if entry["rolled_back_at"] is None else "rollback_after_replica"] += 1
+
+    def report(self) -> dict:
+        return {"every_seconds": self.every_seconds, "checked_at": self.checked_at, "error": self.error,
+                "failures": self.failures, "actions": {name: self.actions[name] for name in WATCH_ACTIONS}}
+
+
+async def watch(replicas_of: Callable[[], Sequence], ask: Ask, book: WatchBook) -> None:
+    """`watch_once` every `book.every_seconds` until cancelled (`replicas_of()`: the fleet as it is
+    now), noting in `book` what it did; a check that fails is logged and the next one tries again."""
     while True:
-        await asyncio.sleep(every)
+        await asyncio.sleep(book.every_seconds)
         try:
-            await watch_once(list(replicas_of()), ask, said)
+            book.noted(await watch_once(list(replicas_of()), ask, book.said))
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - the watch outlives one bad answer
+        except Exception as exc:  # noqa: BLE001 - the watch outlives one bad answer
+            book.failures += 1
+            book.error = f"{type(exc).__name__}: {exc}"[:300]
             log.exception("fleet rollout watch: the check failed; the next one tries again")
+        else:
+            book.checked_at, book.error = time.time(), None

@@ -36,6 +36,11 @@
     kvd_router_reply_ids_dropped_total            events view: replies it let go of for room
     kvd_router_decision_seconds                   histogram: time to choose a replica (OpenMetrics scrapes:
                                                   exemplars naming the route's span, where spans are sent)
+    kvd_router_fleet_rollout_actions_total{action}  fleet rollouts its watch acted on (fleet_rollouts.py):
+                                                  rollback_after_replica (one replica rolled it back, the router
+                                                  the rest), rollback_judged (tripped on the fleet's figures,
+                                                  judged: fleet), join (started at a replica that joined since)
+    kvd_router_fleet_rollout_watch_failures_total its checks that failed (the log says why; the next tries again)
     kvd_router_build_info{version,python}         1, labelled with the router's kvd and Python versions
     kvd_gc_pause_seconds{generation}              histogram: how long each of Python's garbage collections
                                                   stopped the router (kvd router; gc_pauses.py)
@@ -50,6 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvctl.daemon.software import router_versions
 
 from .cut_connections import CutConnections
+from .fleet_rollouts import WATCH_ACTIONS
 from .gc_pauses import metric_families as gc_metric_families
 from .router_service import PD_OUTCOMES
 
@@ -106,6 +112,18 @@ class _RouterCollector:
                                   "wait (queue_timeout) that no other replica was predicted to start in time: the "
                                   "caller got that 503", value=self.service.timeouts_not_rerouted)
         yield from gc_metric_families(self.service.gc_pauses)
+        book = self.service.rollout_watch
+        actions = CounterMetricFamily("kvd_router_fleet_rollout_actions", "Fleet rollouts the router's watch acted "
+                                      "on: rolled back at the other replicas after one rolled it back "
+                                      "(rollback_after_replica), rolled back on the fleet's figures "
+                                      "(rollback_judged), started at a replica that joined since (join)",
+                                      labels=["action"])
+        for name in WATCH_ACTIONS:
+            actions.add_metric([name], book.actions[name])
+        yield actions
+        yield CounterMetricFamily("kvd_router_fleet_rollout_watch_failures", "Checks of the router's fleet rollout "
+                                  "watch that failed (its log says why; the next one tries again)",
+                                  value=book.failures)
         software = router_versions()
         build = GaugeMetricFamily("kvd_router_build_info", "1, labelled with the kvd and Python versions the router "
                                   "runs", labels=["version", "python"])

@@ -39,6 +39,7 @@ from kvctl.daemon.software import router_versions
 from .fleet_admin import Answer, fan_out
 from .fleet_file import ROLES
 from .fleet_pins import sync_pins
+from .fleet_rollouts import WatchBook
 from .gc_pauses import GcPauses
 from .replica_errors import described, kvd_json
 from .replica_feed import Tokenizers, follow_events, poll_load
@@ -233,6 +234,8 @@ class RouterService:
     response_homes: ResponseHomes = field(default_factory=ResponseHomes)
     # the events view's memory of the chat replies relayed (router_replies.py), within reply_ids_bytes
     reply_ids: ReplyIds = field(default_factory=lambda: ReplyIds(REPLY_IDS_BYTES))
+    # what its watch of fleet rollouts did (fleet_rollouts.py), started with the router (daemon/cli.py)
+    rollout_watch: WatchBook = field(default_factory=WatchBook)
 
     def __post_init__(self) -> None:
         if self.view not in VIEWS:
@@ -959,7 +962,8 @@ class RouterService:
                 "silent_give_up_seconds": self.silent_give_up_seconds,
                 "gc": self.gc_pauses.report(),
                 "tls": None if self.tls is None else self.tls.describe(time.time()),
-                "trusted_proxy": self.trusted_proxy}
+                "trusted_proxy": self.trusted_proxy,
+                "fleet_rollout_watch": self.rollout_watch.report()}
         if self.splices_replies:  # the chat replies' ids the events view weighs next turns with
             body["reply_ids"] = self.reply_ids.figures()
         if self.timeouts_not_rerouted:  # queue timeouts with no other replica in time
