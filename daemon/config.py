@@ -197,7 +197,7 @@ class KvdConfig:
     state_dir: str = field(default_factory=default_state_dir)
     socket: str = field(default_factory=default_socket)
     listen: str | None = None  # HOST:PORT for TCP (needs token_file)
-    token_file: str | None = None  # lines "TOKEN TENANT ROLE", role user or admin
+    token_file: str | None = None  # lines "TOKEN TENANT ROLE", role user, proxy (names X-KVD-Tenant) or admin
     trusted_proxy: bool = False  # honour X-KVD-Tenant on TCP (a trusted front end sets it)
     # TLS on the TCP front (server/tls.py): the certificate chain (PEM), its key (absent: in the chain's
     # file), and CAs whose certificate each client must present (mutual TLS; absent: none asked)

@@ -222,7 +222,7 @@ def test_inert_values_of_unimplemented_parameters_and_unknown_fields_are_accepte
     ("tok-admin-0123456789 ops admin\n", 0o602, "(mode 0602)"),
     ("short ops admin\n", 0o600, "token_file line 1: token shorter than 16 characters"),
     ("# only a comment\n", 0o600, "holds no token"),
-    ("tok-admin-0123456789 ops root\n", 0o640, "token_file line 1: role 'root' is not user or admin"),
+    ("tok-admin-0123456789 ops root\n", 0o640, "token_file line 1: role 'root' is not user, proxy or admin"),
 ])
 def test_a_token_file_others_may_read_or_a_bad_line_is_refused(tmp_path, text, mode, message):
     from kvctl.daemon.server.auth import TokenFileError, TokenTable
@@ -452,6 +452,37 @@ def test_trusted_front_end_may_name_the_tenant(tmp_path, daemon):
     other = call(trusted, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2},
                  headers={"Authorization": f"Bearer {GLOBEX_TOKEN}"})
     assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_proxy_token_names_the_tenant_without_trusted_proxy_where_a_user_token_cannot(tmp_path, daemon):
+    """A gateway's token (role proxy): its requests are served as the X-KVD-Tenant it names, its own
+    tenant where it names none, and it has a user's rights; a user token's header still counts for
+    nothing (no trusted_proxy), so a leaked one cannot pass as another tenant."""
+    from kvctl.daemon.server.auth import TokenTable
+
+    service, _, _ = daemon
+    path = tmp_path / "tokens"
+    path.write_text(f"{USER_TOKEN} acme user\n{GLOBEX_TOKEN} globex user\ngateway-token-0123456789 gateway proxy\n")
+    path.chmod(0o600)
+    _, tcp = apps(service, TokenTable.load(path))
+    proxy = {"Authorization": "Bearer gateway-token-0123456789"}
+
+    def cached(prompt: str, headers: dict) -> int:
+        answer = call(tcp, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, headers=headers)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    named = "Named by the gateway. " + SYSTEM * 2
+    assert cached(named, {**proxy, "X-KVD-Tenant": "globex"}) == 0
+    assert cached(named, {"Authorization": f"Bearer {GLOBEX_TOKEN}"}) > 0  # it was globex's
+    passed = "A user naming another tenant. " + SYSTEM * 2
+    assert cached(passed, {"Authorization": f"Bearer {USER_TOKEN}", "X-KVD-Tenant": "globex"}) == 0
+    assert cached(passed, {"Authorization": f"Bearer {GLOBEX_TOKEN}"}) == 0  # served as acme, not globex
+    assert cached(passed, {"Authorization": f"Bearer {USER_TOKEN}"}) > 0
+    unnamed = "The gateway's own. " + SYSTEM * 2
+    assert cached(unnamed, proxy) == 0 and cached(unnamed, {**proxy, "X-KVD-Tenant": "gateway"}) > 0
+    refused = call(tcp, "GET", "/admin/status", headers=proxy)
+    assert refused.status_code == 403 and refused.json()["error"]["message"] == "this endpoint needs the admin role"
 
 
 def test_admin_status_shows_the_gpu_kvd_runs_on_as_nvml_numbers_it(daemon, monkeypatch):

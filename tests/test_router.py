@@ -2141,6 +2141,35 @@ def test_a_tcp_front_with_trusted_proxy_serves_the_tenant_a_caller_names_and_say
                                                                                   [False, True, False]]
 
 
+def test_a_proxy_token_at_the_router_s_tcp_front_names_the_tenant_without_trusted_proxy(replicas):
+    """A gateway's token (role proxy) at kvd router's TCP front: the request is served as the
+    X-KVD-Tenant it names, though the router runs without --trusted-proxy; a user token naming one
+    is served as its own tenant still, and a proxy token has no admin role."""
+    from kvctl.daemon.server.auth import TokenEntry, TokenTable
+
+    tokens = TokenTable([TokenEntry(b"p" * 24, "gateway", "proxy", "token:1"),
+                         TokenEntry(b"u" * 24, "acme", "user", "token:2")])
+    service, _ = router_app(replicas, "round_robin")
+    app = create_router_app(service, front="tcp", tokens=tokens)
+    proxy, user = {"Authorization": "Bearer " + "p" * 24}, {"Authorization": "Bearer " + "u" * 24}
+    system = "A gateway names the tenant of each request it passes on, with a token of its own. " * 2
+    answers = drive(app, [
+        lambda c: c.post("/v1/completions", json={"prompt": system, "max_tokens": 1},
+                         headers={**proxy, "X-KVD-Tenant": "initech"}),
+        lambda c: c.post("/v1/completions", json={"prompt": system + "Q?", "max_tokens": 1},
+                         headers={**user, "X-KVD-Tenant": "initech"}),
+        lambda c: c.get("/router/status", headers=proxy),
+    ])
+    assert [a.status_code for a in answers] == [200, 200, 403]
+    assert service.trusted_proxy is False
+    named, passed = (int(a.headers["x-kvd-replica"][-1]) for a in answers[:2])
+    asked = [drive(replicas[replica], [lambda c, t=t: c.post("/admin/route-facts", json={"text": text, "tenant": t})
+                                       for t in ("initech", "acme", "gateway")])
+             for replica, text in ((named, system), (passed, system + "Q?"))]
+    assert [[f.json()["cached_tokens"] > 0 for f in facts] for facts in asked] == [[True, False, False],
+                                                                                  [False, True, False]]
+
+
 def test_at_the_router_kvctl_rollout_status_and_list_show_each_replica_s_rollouts(replicas):
     """A rollout is a replica's own (each runs, stops and numbers its own): at kvd router, `kvctl
     rollout status` and `list` show each replica's under its name, and one without says so (a

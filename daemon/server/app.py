@@ -191,7 +191,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             entry = bearer_entry(tokens, request.headers.get("authorization", ""))
         except BearerRefused as exc:
             raise ApiError(401, str(exc), type_="authentication_error", headers={"WWW-Authenticate": "Bearer"})
-        tenant = header if (trusted_proxy and header) else entry.tenant
+        # the tenant a front end names: any caller's with trusted_proxy, else only a proxy token's
+        tenant = header if header and (trusted_proxy or entry.role == "proxy") else entry.tenant
         return Principal(tenant, entry.role, entry.name)
 
     async def admin(who: Principal = Depends(principal)) -> Principal:

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-ROLES = ("user", "admin")
+# user: its own tenant; proxy: a front end's token (a gateway's), a user whose requests are served as the
+# X-KVD-Tenant it names (its own tenant where it names none), trusted_proxy or not; admin: every endpoint
+ROLES = ("user", "proxy", "admin")
 
 
 class TokenFileError(ValueError):
@@ -69,7 +71,7 @@ class TokenTable:
             if not TENANT_PATTERN.match(tenant):
                 raise TokenFileError(f"token_file line {number}: tenant {tenant!r} is not [A-Za-z0-9._-]{{1,64}}")
             if role not in ROLES:
-                raise TokenFileError(f"token_file line {number}: role {role!r} is not user or admin")
+                raise TokenFileError(f"token_file line {number}: role {role!r} is not user, proxy or admin")
             entries.append(TokenEntry(token.encode(), tenant, role, f"token:{number}"))
         if not entries:
             raise TokenFileError(f"token_file: {str(path)!r} holds no token")

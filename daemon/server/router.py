@@ -178,8 +178,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     front "unix": callers are trusted (the socket's mode says who may connect), act as admin, and
     their X-KVD-Tenant passes through. front "tcp": every request but /healthz needs a bearer
     token of `tokens` (TOKEN TENANT ROLE, as kvd's), whose tenant the request is routed and served
-    under (a caller's own X-KVD-Tenant is replaced, unless `service.trusted_proxy`: then the tenant
-    it names, as kvd's trusted_proxy); /router/status, /admin/status and /metrics need the admin
+    under (a caller's own X-KVD-Tenant is replaced, unless `service.trusted_proxy` or the token's role
+    is proxy: then the tenant it names, as kvd's); /router/status, /admin/status and /metrics need the admin
     role. Fronts of one router share `metrics`."""
     if front not in ("unix", "tcp"):
         raise ValueError(f"front: unknown value {front!r}; use unix or tcp")
@@ -217,7 +217,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             entry = bearer_entry(tokens, request.headers.get("authorization", ""))
         except BearerRefused as exc:
             raise Refused(401, str(exc), "unauthenticated") from None
-        named = request.headers.get("x-kvd-tenant") if service.trusted_proxy else None
+        named = request.headers.get("x-kvd-tenant") if service.trusted_proxy or entry.role == "proxy" else None
         return Caller(named or entry.tenant, entry.role)
 
     async def admin(who: Caller = Depends(caller)) -> Caller:
