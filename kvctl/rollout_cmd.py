@@ -157,7 +157,8 @@ def start(ctx: typer.Context, policy: Path = typer.Option(..., "--policy", help=
     """Start rolling a policy out to a cohort; kvd rolls back by itself when a stop condition trips.
 
     At kvd router: one rollout at every replica under one fleet id (a tenant on the same side
-    everywhere; a stop at one replica rolls it back at all of them).
+    everywhere; a stop at one replica rolls it back at all of them; `judged: fleet` in the policy
+    has the router judge the stop conditions on the fleet's figures instead).
 
     Example: kvctl rollout start --policy p95.yaml --cohort 10% --stop "recomputed_token_ratio > 1.2 * baseline"
     """

@@ -354,3 +354,26 @@ def test_the_router_s_watch_runs_by_itself_and_says_what_it_did_and_when_it_fail
             f"{book.failures} so far; its log has each): it tries again every 0.05 s") in " ".join(status.split())
     run_watch(router, lambda: book.error is None)  # a check that runs to its end clears it
     assert book.error is None and book.actions["rollback_after_replica"] == 1
+
+
+def test_judged_across_the_fleet_on_the_replicas_that_answer_and_the_rest_follow_when_they_do(fleet):
+    services, apps, router, app = fleet
+    body = {"policy": {"name": "pooled", "judged": "fleet", "min_requests": 2, "settings": {"reservation": "p95"}},
+            "cohort": "50%", "stops": ["hit_ratio < 2"]}
+    fleet_id = call(app, "POST", "/admin/rollouts", json=body).json()["fleet"]
+    tenants = [f"tenant-{i}" for i in range(40)]
+    sides = ([t for t in tenants if in_cohort(fleet_id, t, 0.5)][:2]
+             + [t for t in tenants if not in_cohort(fleet_id, t, 0.5)][:2])
+    for tenant in sides:  # all at replica-0
+        call(apps[0], "POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 1},
+             headers={"X-KVD-Tenant": tenant})
+    books = services[0].rollouts
+    assert settled(lambda: (books.cohort.requests, books.baseline.requests), lambda got: got == (2, 2)) == (2, 2)
+    down, _ = router_app(apps, "round_robin", down=(1,))
+    [done] = asyncio.run(fleet_rollouts.watch_once(down.replicas, down.ask_each))
+    assert done["reason"].startswith("stop condition tripped across the fleet (1 replica, 2 cohort and 2 baseline "
+                                     "requests): hit_ratio < 2 (")
+    assert done["rolled_back"] == ["replica-0"] and newest(apps[1])["state"] == "running"
+    [then] = watch_once(router)  # replica-1 answers again: rolled back as replica-0 was
+    assert (then["rolled_back_at"], then["rolled_back"]) == ("replica-0", ["replica-1"])
+    assert then["reason"] == done["reason"] and newest(apps[1])["state"] == "rolled_back"

@@ -22,8 +22,8 @@ digits, in each one's policy as `fleet`):
 - or judged across the fleet, with `judged: fleet` in the policy: no replica judges its own
   traffic; the watch adds the replicas' sides up (totals summed, samples together:
   cohort_stats.py) and judges the stop conditions on that, so `min_requests` counts the fleet's
-  requests, and a small unlucky sample at one of N replicas does not stop them all. Not judged
-  while a replica of it is paused or does not answer with its figures. `kvctl rollout status
+  requests, and a small unlucky sample at one of N replicas does not stop them all. Judged on the
+  replicas that answer with their figures; not while one of them is paused. `kvctl rollout status
   FLEET` at the router shows the figures across the fleet either way (`fleet_figures`).
 """
 
@@ -267,24 +267,26 @@ def _not_yet(entry: dict) -> str:
 
 async def _judge(replicas: Sequence, ask: Ask, fleet: str, where: list[int], newest: list[Answer]) -> dict | None:
     """A fleet rollout whose policy says `judged: fleet`, running at every replica that has it: its
-    stop conditions against its figures across those replicas (pooled_sides); tripped, it is
-    rolled back at each. Not judged while one of them is paused or does not answer with its figures."""
+    stop conditions against its figures across those that answer with them (pooled_sides: a
+    replica not reached serves none of its traffic); tripped, it is rolled back at each. Not judged
+    while one of them is paused."""
     first = newest[where[0]][1]["rollouts"][0]
     if first["policy"].get("judged") != "fleet" or any(newest[i][1]["rollouts"][0]["state"] != "running"
                                                         for i in where):
         return None
     answers = await ask([replicas[i] for i in where], "GET", f"/admin/rollouts/{fleet}?samples=true", None,
                         MOVE_TIMEOUT_S)
-    if any(status != 200 or not body.get("sides") for status, body in answers):
+    reports = [body for status, body in answers if status == 200 and body.get("sides")]
+    if not reports:
         return None
-    reports = [body for _, body in answers]
     cohort, baseline = pooled_sides(reports)
     tripped = first_tripped(reports[0], cohort, baseline)
     if tripped is None:
         return None
     compared = ", ".join(f"{name} {tripped[name]:.4g}" for name in ("observed", "threshold", "baseline")
                          if isinstance(tripped.get(name), (int, float)))
-    reason = (f"stop condition tripped across the fleet ({len(where)} replicas, {cohort.requests:,} cohort and "
+    counted = f"{len(reports)} replica{'s' if len(reports) != 1 else ''}"
+    reason = (f"stop condition tripped across the fleet ({counted}, {cohort.requests:,} cohort and "
               f"{baseline.requests:,} baseline requests): {tripped['condition']} ({compared}); judged by "
               f"{WATCH_ACTOR_NOTE}")
     entry = await _roll_back(replicas, ask, fleet, where, reason)

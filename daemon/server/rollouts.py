@@ -44,10 +44,9 @@ from kvctl.daemon.whole_file import write_json_whole
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.rollout import FLEET_ID, MIN_REQUESTS, StopCondition, cohort_salt, in_cohort, parse_fraction
 
+from .calls import ServiceError
 from .cohort_stats import CohortStats, first_tripped, min_requests
 from .whole_numbers import whole_number
-
-from .calls import ServiceError
 
 COHORT_SETTINGS = ("reservation", "speculative_config")
 POOL_SETTINGS = ("eviction", "block_size", "cache_dtype", "num_blocks")

@@ -59,8 +59,8 @@ from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, bodies_or_errors,
                           merge_weight_updates, replica_reports)
 from .fleet_differences import fleet_differences
 from .fleet_files import TenantTurns, bytes_by_replica, elsewhere_header
-from .fleet_pins import sync_pins
 from . import fleet_rollouts
+from .fleet_pins import sync_pins
 from .health_checks import fleet_report
 from .fleet_trace import merge_traces, trace_query
 from .log_throttle import EveryFewSeconds
