@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -226,7 +227,36 @@ def list_rollouts(ctx: typer.Context, limit: int = typer.Option(20, "--limit", h
         keep_whole(table, 0, 4, *([1, 7] if fleets else [5]))  # (the latest transition wraps before a fleet id)
         console.print(table)
 
-    emit(data, as_json, _each_replica(render) if "replicas" in data else render)
+    def at_router(d: dict, console: Console | None = None) -> None:
+        console = console or Console()
+        fleet_table(d["replicas"], console)
+        _each_replica(render)(d, console)
+
+    emit(data, as_json, at_router if "replicas" in data else render)
+
+
+def fleet_table(rows: list[dict], console: Console) -> None:
+    """At kvd router, the fleet rollouts among the replicas' listed rollouts, each once: its state
+    at the replicas that list it (one state, or how many are in each), cohort share and policy."""
+    listing = [row for row in rows if "report" in row]
+    fleets: dict[str, list[dict]] = {}
+    for row in listing:
+        for rollout in row["report"]["rollouts"]:
+            if rollout["policy"].get("fleet"):
+                fleets.setdefault(rollout["policy"]["fleet"], []).append(rollout)
+    if not fleets:
+        return
+    table = compact_table("fleet", "state", "cohort", "policy", "started", "replicas")
+    for fleet, rollouts in sorted(fleets.items(), key=lambda item: -min(r["created_at"] for r in item[1])):
+        states = Counter(r["state"] for r in rollouts)
+        shares = {f"{r['fraction']:.0%}" for r in rollouts}
+        table.add_row(fleet, next(iter(states)) if len(states) == 1 else
+                      "mixed: " + ", ".join(f"{state} at {count}" for state, count in sorted(states.items())),
+                      shares.pop() if len(shares) == 1 else "mixed", rollouts[0]["policy"].get("name", "-"),
+                      when(min(r["created_at"] for r in rollouts)), f"{len(rollouts)} of {len(listing)}")
+    keep_whole(table, 0, 4)
+    console.print("fleet rollouts", style="bold")
+    console.print(table)
 
 
 @rollout_app.command("advance")

@@ -101,6 +101,12 @@ def test_a_fleet_rollout_moves_by_its_fleet_id_at_the_router_and_at_each_replica
     code, text = kvctl_on(app, ["rollout", "status", fleet_id])
     assert code == 0
     assert text.splitlines()[0] == f"fleet rollout {fleet_id}: mixed: paused at replica-0, running at replica-1"
+    code, listed = kvctl_on(app, ["rollout", "list"])  # each fleet rollout once, then each replica's rollouts
+    lines = listed.splitlines()
+    assert code == 0 and lines[0] == "fleet rollouts"
+    row = " ".join(next(line for line in lines if line.startswith(fleet_id)).split())
+    assert row.startswith(f"{fleet_id} mixed: paused at 1, running at 1 80% p95 ") and row.endswith(" 2 of 2")
+    assert "replica replica-0" in lines and "replica replica-1" in lines
     # moved where it can be, and the rest named
     partly = call(app, "POST", f"/admin/rollouts/{fleet_id}/resume", json={}).json()
     assert partly["result"] == "partial" and partly["state"] == "running"
