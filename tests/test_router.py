@@ -2112,6 +2112,14 @@ def test_kvctl_audit_at_the_router_lists_every_replica_s_records_newest_first(re
     assert _kvctl_prints(["audit"], half.json()).splitlines()[-1] == half.json()["message"]
 
 
+def held_for(replicas, served, tenants) -> list[list[bool]]:
+    """For each (replica index, prompt) of `served`, whether that replica caches some of the prompt
+    for each of `tenants` (its route facts): who a request was served as."""
+    return [[facts.json()["cached_tokens"] > 0 for facts in drive(replicas[replica], [
+        lambda c, t=t: c.post("/admin/route-facts", json={"text": text, "tenant": t}) for t in tenants])]
+        for replica, text in served]
+
+
 def test_a_tcp_front_with_trusted_proxy_serves_the_tenant_a_caller_names_and_says_so(replicas):
     """kvd router --trusted-proxy: its TCP callers are trusted front ends (or kvds sending their
     batches' requests through it), so a request is served as the X-KVD-Tenant it names, and one
@@ -2134,11 +2142,8 @@ def test_a_tcp_front_with_trusted_proxy_serves_the_tenant_a_caller_names_and_say
     assert before["trusted_proxy"] is False and answers[0].json()["trusted_proxy"] is True
     named, unnamed = (int(a.headers["x-kvd-replica"][-1]) for a in answers[1:])
     assert named != unnamed  # (round robin)
-    asked = [drive(replicas[replica], [lambda c, t=t: c.post("/admin/route-facts", json={"text": text, "tenant": t})
-                                       for t in ("globex", "ops", "default")])
-             for replica, text in ((named, system), (unnamed, system + "Q?"))]
-    assert [[f.json()["cached_tokens"] > 0 for f in facts] for facts in asked] == [[True, False, False],
-                                                                                  [False, True, False]]
+    assert held_for(replicas, ((named, system), (unnamed, system + "Q?")), ("globex", "ops", "default")) == [
+        [True, False, False], [False, True, False]]
 
 
 def test_a_proxy_token_at_the_router_s_tcp_front_names_the_tenant_without_trusted_proxy(replicas):
@@ -2163,11 +2168,8 @@ def test_a_proxy_token_at_the_router_s_tcp_front_names_the_tenant_without_truste
     assert [a.status_code for a in answers] == [200, 200, 403]
     assert service.trusted_proxy is False
     named, passed = (int(a.headers["x-kvd-replica"][-1]) for a in answers[:2])
-    asked = [drive(replicas[replica], [lambda c, t=t: c.post("/admin/route-facts", json={"text": text, "tenant": t})
-                                       for t in ("initech", "acme", "gateway")])
-             for replica, text in ((named, system), (passed, system + "Q?"))]
-    assert [[f.json()["cached_tokens"] > 0 for f in facts] for facts in asked] == [[True, False, False],
-                                                                                  [False, True, False]]
+    assert held_for(replicas, ((named, system), (passed, system + "Q?")), ("initech", "acme", "gateway")) == [
+        [True, False, False], [False, True, False]]
 
 
 def test_at_the_router_kvctl_rollout_status_and_list_show_each_replica_s_rollouts(replicas):

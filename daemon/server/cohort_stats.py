@@ -86,7 +86,8 @@ def min_requests(rollout: dict, condition: StopCondition) -> int:
 
 def first_tripped(rollout: dict, cohort: CohortStats, baseline: CohortStats) -> dict | None:
     """The first of the rollout's stop conditions that has enough requests on each side
-    (`min_requests`) and trips: {"reason", "condition", and the values it compared}; None: none."""
+    (`min_requests`) and trips: {"reason", "condition", the values it compared, and "figures": each
+    side's}; None: none."""
     cohort_figures, baseline_figures = cohort.figures(), baseline.figures()
     for text in rollout["stops"]:
         condition = StopCondition.parse(text)
@@ -95,5 +96,6 @@ def first_tripped(rollout: dict, cohort: CohortStats, baseline: CohortStats) -> 
             continue
         trips, values = condition.tripped(cohort_figures, baseline_figures)
         if trips:
-            return {"reason": f"stop condition tripped: {text}", "condition": text, **values}
+            return {"reason": f"stop condition tripped: {text}", "condition": text, **values,
+                    "figures": {"cohort": cohort_figures, "baseline": baseline_figures}}
     return None

@@ -135,23 +135,24 @@ def pooled_sides(reports: list[dict]) -> tuple[CohortStats, CohortStats]:
             CohortStats.pooled([report["sides"]["baseline"] for report in reports]))
 
 
-async def status_everywhere(replicas: Sequence, ask: Ask, fleet: str) -> tuple[int, dict]:
+async def status_everywhere(replicas: Sequence, ask: Ask, fleet: str, figures: bool = True) -> tuple[int, dict]:
     """`GET /admin/rollouts/FLEET` at the router: each replica's rollout of it, their state, and
     while it runs, its figures across the fleet (`fleet_figures`: the replicas' totals added and
-    their samples put together, as a policy's `judged: fleet` is judged)."""
-    answers = await ask(replicas, "GET", f"/admin/rollouts/{fleet}?samples=true", None, MOVE_TIMEOUT_S)
+    their samples put together, as a policy's `judged: fleet` is judged; `figures` False: not asked)."""
+    path = f"/admin/rollouts/{fleet}" + ("?samples=true" if figures else "")
+    answers = await ask(replicas, "GET", path, None, MOVE_TIMEOUT_S)
     status, out = replica_reports([r.name for r in replicas], answers)
     if status != 200:
         return status, out
     live = [row for row in out["replicas"] if (row.get("report") or {}).get("sides")]
-    figures = None
+    pooled = None
     if live:
         cohort, baseline = pooled_sides([row["report"] for row in live])
-        figures = {"replicas": [row["replica"] for row in live], "cohort": cohort.figures(),
-                   "baseline": baseline.figures()}
+        pooled = {"replicas": [row["replica"] for row in live], "cohort": cohort.figures(),
+                  "baseline": baseline.figures()}
     for row in live:
         del row["report"]["sides"]  # (samples: the router's to add up, not the caller's to read)
-    return 200, {"fleet": fleet, "state": fleet_state(out["replicas"]), "fleet_figures": figures, **out}
+    return 200, {"fleet": fleet, "state": fleet_state(out["replicas"]), "fleet_figures": pooled, **out}
 
 
 async def move_everywhere(replicas: Sequence, ask: Ask, fleet: str, action: str,
@@ -170,7 +171,7 @@ async def move_everywhere(replicas: Sequence, ask: Ask, fleet: str, action: str,
     failed = [i for i, (status, _) in enumerate(answers) if status not in (200, 404)]
     state = fleet_state(out["replicas"])
     if failed:  # where it was refused, its state as the replica says it now
-        status, now = await status_everywhere(replicas, ask, fleet)
+        status, now = await status_everywhere(replicas, ask, fleet, figures=False)
         state = now["state"] if status == 200 else state
     out = {"fleet": fleet, "action": action, "state": state, "result": "partial" if failed else "ok", **out}
     if failed:
@@ -292,8 +293,7 @@ async def _judge(replicas: Sequence, ask: Ask, fleet: str, where: list[int], new
     entry = await _roll_back(replicas, ask, fleet, where, reason)
     log.warning("fleet rollout %s: %s; rolled back at %s%s", fleet, reason, ", ".join(entry["rolled_back"]) or
                 "no replica", _not_yet(entry))
-    return {**entry, "rolled_back_at": None, "reason": reason,
-            "figures": {"cohort": cohort.figures(), "baseline": baseline.figures()}}
+    return {**entry, "rolled_back_at": None, "reason": reason, "figures": tripped["figures"]}
 
 
 async def _join(replicas: Sequence, ask: Ask, fleet: str, source: int, lacking: list[int],

@@ -423,8 +423,7 @@ class RolloutManager:
             if rollout is not None and rollout["state"] == "running" and rollout["policy"].get("judged") != "fleet":
                 tripped = first_tripped(rollout, self.cohort, self.baseline)
                 if tripped is not None:
-                    tripped["figures"] = {"cohort": self.cohort.figures(), "baseline": self.baseline.figures(),
-                                          "since": self.figures_since}
+                    tripped["figures"]["since"] = self.figures_since
             if tripped is not None:  # the cohort goes now, whatever the store does
                 self._activate(None)
                 self.unstored = {"rollout_id": rollout["id"], "at": self.clock(), "actor": "kvd",
