@@ -567,6 +567,9 @@ def test_kvctl_prefixes_counts_a_running_request_s_own_blocks_and_kvctl_pin_pref
                                     "cache mode: no other request reads it, and it goes as that request ends); pin "
                                     f"the prefix it extends, {root['prefix_id']}")
         assert [p["blocks"] for p in call(unix, "GET", "/admin/pins").json()["pins"]] == [2]  # nothing changed
+        [audited] = call(unix, "GET", "/admin/audit", params={"action": "pin", "result": "refused"}).json()["entries"]
+        assert (audited["result"], audited["target"], audited["detail"]["reason"]) == (
+            "refused", f"prefix={own_row['prefix_id']}", error["message"])  # refused, and audited so
     assert engine.cache.pool.private_evictions == 2 * (usable - 2)
     assert all(not r["private_blocks"] for r in rows())
 
@@ -578,6 +581,16 @@ def test_kvd_router_sums_the_own_blocks_each_replica_left_out_of_a_pin_by_prefix
     merged = merge_pins([{**pinned, "private_blocks_left_out": 3}, pinned, {**pinned, "private_blocks_left_out": 4}])
     assert (merged["cached_blocks"], merged["private_blocks_left_out"]) == (6, 7)
     assert "private_blocks_left_out" not in merge_pins([pinned, pinned])
+
+
+def test_kvd_router_says_what_a_pin_was_where_any_replica_had_it_before():
+    from kvctl.daemon.server.fleet_admin import merge_pins
+
+    fresh = {"pin_id": "p1", "blocks": 2, "cached_blocks": 2, "warmed": False, "refreshed": False}
+    was = {"owner": "cron", "note": "support", "expires_in_seconds": 60.0}
+    merged = merge_pins([fresh, {**fresh, "refreshed": True, "was": was}])  # (replica 0 joined since)
+    assert (merged["refreshed"], merged["was"]) == (True, was)
+    assert "was" not in merge_pins([fresh, fresh]) and merge_pins([fresh, fresh])["refreshed"] is False
 
 
 def test_kvctl_swap_moves_the_shared_part_of_a_prefix_and_leaves_a_running_request_s_own_on_the_device(tmp_path):

@@ -164,10 +164,16 @@ def merge_weight_updates(done: list[dict]) -> dict:
 
 def merge_pins(done: list[dict]) -> dict:
     """One pin (the same id everywhere): its blocks cached summed over the replicas, and so are the
-    blocks a pin by prefix id left out as a running request's own (pin_ops.pin_prefix)."""
+    blocks a pin by prefix id left out as a running request's own (pin_ops.pin_prefix). Pinned
+    again (`was`: what it was before) where some replica had it: that one's `was` (each replica's
+    answer is in `replicas`), whichever replica answers first."""
     left_out = sum(b.get("private_blocks_left_out") or 0 for b in done)
-    return {**done[0], "cached_blocks": sum(b["cached_blocks"] for b in done),
-            "warmed": any(b["warmed"] for b in done), **({"private_blocks_left_out": left_out} if left_out else {})}
+    was = next((b["was"] for b in done if b.get("was")), None)
+    merged = {key: value for key, value in done[0].items() if key != "was"}
+    return {**merged, "cached_blocks": sum(b["cached_blocks"] for b in done),
+            "warmed": any(b["warmed"] for b in done), "refreshed": any(b.get("refreshed") for b in done),
+            **({"was": was} if was is not None else {}),
+            **({"private_blocks_left_out": left_out} if left_out else {})}
 
 
 def merge_unpins(done: list[dict]) -> dict:

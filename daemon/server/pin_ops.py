@@ -78,8 +78,31 @@ def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None
     A running request's own blocks (explicit prompt cache mode: its prompt past its marked
     prefix) are never pinned: a pin would keep what the request asked to leave nowhere once it
     ends. A row that starts with them is refused (the message names the row they extend); a row
-    that ends with them is pinned up to them, and the answer says how many were left out."""
+    that ends with them is pinned up to them, and the answer says how many were left out.
+
+    A refusal for what the cache holds (409: a running request's own, unreachable, whose it is not
+    known, stale, several prefixes matching) is audited, as a refusal for the pin budget is."""
     service.require_ready()
+    try:
+        first, keys, left_out, owner, origin = _prefix_keys(service, prefix_id, tenant)
+    except ServiceError as exc:
+        if exc.status == 409:
+            service.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
+                                target=f"prefix={prefix_id.strip().lower()[:16]}", result="refused",
+                                detail={"reason": str(exc)})
+        raise
+    body = _pin_keys(service, keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}",
+                     "prefix", origin)
+    body["prefix_id"] = first.hex()[:16]
+    if left_out:
+        body["private_blocks_left_out"] = left_out
+    return body
+
+
+def _prefix_keys(service, prefix_id: str, tenant: str | None) -> tuple[bytes, list[bytes], int, str, dict]:
+    """(the block key `prefix_id` names, the keys from its root to the end of its row less a
+    running request's own, how many of those were left out, its tenant, where its keys were
+    made: Pin's space and adapter_id) for pin_prefix; a ServiceError where it cannot be pinned."""
     tree, roots = prefix_tree(service)
     first = resolve_prefix(prefix_id, tree)
     keys = tree.path(first)
@@ -106,12 +129,7 @@ def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None
         raise ServiceError(409, f"prefix: {prefix_id!r} is unreachable ({STRANDED_WHY['space']}); pin it by its "
                                 "text to compute it again", "prefix")
     origin = {"space": service.block_space(), "adapter_id": None if root is None else root.adapter_id}
-    body = _pin_keys(service, keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}",
-                     "prefix", origin)
-    body["prefix_id"] = first.hex()[:16]
-    if left_out:
-        body["private_blocks_left_out"] = left_out
-    return body
+    return first, keys, left_out, owner, origin
 
 
 def pin_copy(service, keys: list[bytes], tenant: str, principal: Principal, ttl: float | None, note: str,
