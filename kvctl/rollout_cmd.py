@@ -130,7 +130,8 @@ def _fleet_render(d: dict, console: Console | None = None) -> None:
     pooled = d.get("fleet_figures")
     if pooled:
         console.print(_figures_table(pooled["cohort"], pooled["baseline"],
-                                     f"figures across the fleet ({', '.join(pooled['replicas'])})"))
+                                     "figures across the fleet" + (" at its end" if pooled.get("ended") else "")
+                                     + f" ({', '.join(pooled['replicas'])})"))
     _each_replica(_render)(d)
 
 

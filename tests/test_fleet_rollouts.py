@@ -316,6 +316,39 @@ def test_a_fleet_rollout_judged_across_the_fleet_stops_on_the_fleet_s_figures(fl
     for replica in apps:
         rolled = newest(replica)
         assert rolled["state"] == "rolled_back" and rolled["events"][-1]["detail"]["reason"] == reason
+        assert all("sides" not in event["detail"] for event in rolled["events"])  # (kept, but not listed)
+    ended = call(app, "GET", f"/admin/rollouts/{fleet_id}").json()  # the live figures went with the rollout
+    assert ended["fleet_figures"] == kept_as(pooled)  # each replica kept its sides at its end
+    code, text = kvctl_on(app, ["rollout", "status", fleet_id])
+    assert code == 0 and "figures across the fleet at its end (replica-0, replica-1)" in " ".join(text.split())
+
+
+def kept_as(pooled: dict) -> dict:
+    """Figures across the fleet as they read once it has ended: its samples were kept to the microsecond."""
+    return {**pooled, "ended": True, **{side: {name: pytest.approx(value, abs=1e-6) if isinstance(value, float)
+                                               else value for name, value in pooled[side].items()}
+                                        for side in ("cohort", "baseline")}}
+
+
+def test_a_finished_fleet_rollout_keeps_its_figures_across_the_fleet_and_a_replica_s_own_keeps_no_samples(fleet):
+    services, apps, router, app = fleet
+    fleet_id = call(app, "POST", "/admin/rollouts", json=START).json()["fleet"]
+    for i in range(6):
+        answer = call(app, "POST", "/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 2},
+                      headers={"X-KVD-Tenant": f"tenant-{i}"})
+        assert answer.status_code == 200
+    assert settled(lambda: sum(s.rollouts.cohort.requests + s.rollouts.baseline.requests for s in services),
+                   lambda count: count == 6) == 6
+    live = call(app, "GET", f"/admin/rollouts/{fleet_id}").json()["fleet_figures"]
+    assert live["ended"] is False and live["cohort"]["requests"] + live["baseline"]["requests"] == 6
+    assert call(app, "POST", f"/admin/rollouts/{fleet_id}/complete").status_code == 200
+    shown = call(app, "GET", f"/admin/rollouts/{fleet_id}").json()
+    assert shown["state"] == "completed" and shown["fleet_figures"] == kept_as(live)
+    [audited] = call(apps[0], "GET", "/admin/audit", params={"action": "rollout.complete"}).json()["entries"]
+    assert audited["detail"] == {}  # (figures and samples stay in the rollout's record)
+    own = call(apps[1], "POST", "/admin/rollouts", json=START).json()["id"]
+    assert call(apps[1], "POST", f"/admin/rollouts/{own}/rollback", json={"reason": "x"}).status_code == 200
+    assert "sides" not in call(apps[1], "GET", f"/admin/rollouts/{own}", params={"samples": "true"}).json()
 
 
 def run_watch(router, until, replicas_of=None, timeout: float = 30.0) -> None:

@@ -13,6 +13,7 @@ from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.rollout import StopCondition
 
 SAMPLES_KEPT = 5000  # each side's latest TTFTs and times per output token, for its percentiles
+KEPT_DIGITS = 6  # a stored sample's decimals (seconds: to the microsecond)
 TOTALS = ("requests", "prompt_tokens", "hit_tokens", "recomputed_tokens", "preemptions", "finished_blocks",
           "reserved_unused_blocks")
 
@@ -76,6 +77,12 @@ class CohortStats:
                 "reserved_unused_ratio": (self.reserved_unused_blocks / self.finished_blocks
                                           if self.finished_blocks else None),
                 "tpot_p50_seconds": percentile(self.tpots, 0.5), "tpot_p95_seconds": percentile(self.tpots, 0.95)}
+
+
+def kept_entry(entry: dict) -> dict:
+    """A `sides_entry()` as a rollout's record keeps it: its samples to the microsecond (about
+    half the JSON of their every digit; no percentile a stop condition compares moves by more)."""
+    return {**entry, **{name: [round(value, KEPT_DIGITS) for value in entry[name]] for name in ("ttfts", "tpots")}}
 
 
 def min_requests(rollout: dict, condition: StopCondition) -> int:

@@ -24,7 +24,8 @@ digits, in each one's policy as `fleet`):
   cohort_stats.py) and judges the stop conditions on that, so `min_requests` counts the fleet's
   requests, and a small unlucky sample at one of N replicas does not stop them all. Judged on the
   replicas that answer with their figures; not while one of them is paused. `kvctl rollout status
-  FLEET` at the router shows the figures across the fleet either way (`fleet_figures`).
+  FLEET` at the router shows the figures across the fleet either way (`fleet_figures`), and once
+  it has ended, those at its end (each replica keeps its sides in its last transition).
 """
 
 from __future__ import annotations
@@ -137,8 +138,9 @@ def pooled_sides(reports: list[dict]) -> tuple[CohortStats, CohortStats]:
 
 async def status_everywhere(replicas: Sequence, ask: Ask, fleet: str, figures: bool = True) -> tuple[int, dict]:
     """`GET /admin/rollouts/FLEET` at the router: each replica's rollout of it, their state, and
-    while it runs, its figures across the fleet (`fleet_figures`: the replicas' totals added and
-    their samples put together, as a policy's `judged: fleet` is judged; `figures` False: not asked)."""
+    its figures across the fleet (`fleet_figures`: the replicas' totals added and their samples put
+    together, as a policy's `judged: fleet` is judged): live while it runs, and once it has ended
+    at every replica, as each one's was at its end (`ended` true); `figures` False: not asked."""
     path = f"/admin/rollouts/{fleet}" + ("?samples=true" if figures else "")
     answers = await ask(replicas, "GET", path, None, MOVE_TIMEOUT_S)
     status, out = replica_reports([r.name for r in replicas], answers)
@@ -149,9 +151,10 @@ async def status_everywhere(replicas: Sequence, ask: Ask, fleet: str, figures: b
     if live:
         cohort, baseline = pooled_sides([row["report"] for row in live])
         pooled = {"replicas": [row["replica"] for row in live], "cohort": cohort.figures(),
-                  "baseline": baseline.figures()}
+                  "baseline": baseline.figures(), "ended": all(row["report"].get("sides_ended") for row in live)}
     for row in live:
         del row["report"]["sides"]  # (samples: the router's to add up, not the caller's to read)
+        row["report"].pop("sides_ended", None)
     return 200, {"fleet": fleet, "state": fleet_state(out["replicas"]), "fleet_figures": pooled, **out}
 
 
@@ -277,7 +280,7 @@ async def _judge(replicas: Sequence, ask: Ask, fleet: str, where: list[int], new
         return None
     answers = await ask([replicas[i] for i in where], "GET", f"/admin/rollouts/{fleet}?samples=true", None,
                         MOVE_TIMEOUT_S)
-    reports = [body for status, body in answers if status == 200 and body.get("sides")]
+    reports = [body for status, body in answers if status == 200 and body.get("sides") and not body.get("sides_ended")]
     if not reports:
         return None
     cohort, baseline = pooled_sides(reports)

@@ -7,7 +7,9 @@ and SIGHUP. Requests join the cohort by a stable hash of their tenant (or of the
 `by: request`); cohort and baseline figures are kept apart. `evaluate()` runs on a schedule: when a stop
 condition trips, the rollout rolls back and records which condition and the values. Every
 transition is stored with who and when, with the cohort and baseline figures at that moment,
-so a finished rollout still shows what it was judged on. A restart resumes the rollout in its
+so a finished rollout still shows what it was judged on; a fleet rollout's (one of kvd router's)
+last transition keeps each side's totals and latest samples too (`sides`), which kvd router adds
+up across the fleet once the live ones are gone. A restart resumes the rollout in its
 recorded state; the figures up to the stop are stored as a "shutdown" event, and the live
 ones start again from zero (`figures_since` says from when).
 
@@ -45,7 +47,7 @@ from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.rollout import FLEET_ID, MIN_REQUESTS, StopCondition, cohort_salt, in_cohort, parse_fraction
 
 from .calls import ServiceError
-from .cohort_stats import CohortStats, first_tripped, min_requests
+from .cohort_stats import CohortStats, first_tripped, kept_entry, min_requests
 from .whole_numbers import whole_number
 
 COHORT_SETTINGS = ("reservation", "speculative_config")
@@ -56,6 +58,17 @@ log = logging.getLogger("kvd")
 UNSTORED = ("kvd rolled it back on a stop condition, and the store could not take that yet: kvd tries again at "
             "each check; a restart before then resumes the rollout")
 PENDING_FIELDS = ("rollout_id", "at", "actor", "action", "detail")  # what that file holds of one
+KEPT_APART = ("figures", "sides")  # an event's detail that its audit record leaves out (the figures)
+
+
+def audited(detail: dict) -> dict:
+    """A transition's detail as its audit record keeps it: without its figures and samples."""
+    return {key: value for key, value in detail.items() if key not in KEPT_APART}
+
+
+def without_sides(detail: dict) -> dict:
+    """An event's detail as status() lists it: a fleet rollout's samples are for kvd router to add up."""
+    return {key: value for key, value in detail.items() if key != "sides"}
 
 
 def unstored_text(pending: dict) -> str:
@@ -298,6 +311,9 @@ class RolloutManager:
                     detail = {**detail, "figures": {"cohort": self.cohort.figures(),
                                                     "baseline": self.baseline.figures(),
                                                     "since": self.figures_since}}
+                    sides = None if state in ACTIVE_STATES else self._final_sides(self.active)
+                    if sides is not None:
+                        detail["sides"] = sides
             with self.store.write() as conn:
                 if fraction is not None:
                     conn.execute("UPDATE rollouts SET fraction = ? WHERE id = ?", (fraction, rollout_id))
@@ -314,7 +330,7 @@ class RolloutManager:
                 else:
                     self._activate(None)
         self.store.audit(actor=actor, tenant="-", action=f"rollout.{action}", target=f"rollout:{rollout_id}",
-                         result="ok", detail={k: v for k, v in detail.items() if k != "figures"})
+                         result="ok", detail=audited(detail))
         return self.status(rollout_id)
 
     def _store_unstored(self, wait: float | None = None) -> None:
@@ -333,7 +349,15 @@ class RolloutManager:
             log.info("rollout %d: its rollback is stored now", pending["rollout_id"])
         self.store.audit(actor=pending["actor"], tenant="-", action="rollout.rollback",
                          target=f"rollout:{pending['rollout_id']}", result="ok",
-                         detail={k: v for k, v in pending["detail"].items() if k != "figures"})
+                         detail=audited(pending["detail"]))
+
+    def _final_sides(self, rollout: dict) -> dict | None:
+        """Each side's totals and latest samples as a fleet rollout ends here (kept in its last
+        transition for kvd router's figures across the fleet); None for a replica's own (under `lock`)."""
+        if not rollout["policy"].get("fleet"):
+            return None
+        return {side: kept_entry(stats.sides_entry()) for side, stats in (("cohort", self.cohort),
+                                                                          ("baseline", self.baseline))}
 
     def record_figures(self, action: str, actor: str, wait: float | None = None) -> None:
         """Store the running or paused rollout's live figures as an event that changes nothing
@@ -424,6 +448,9 @@ class RolloutManager:
                 tripped = first_tripped(rollout, self.cohort, self.baseline)
                 if tripped is not None:
                     tripped["figures"]["since"] = self.figures_since
+                    sides = self._final_sides(rollout)
+                    if sides is not None:
+                        tripped["sides"] = sides
             if tripped is not None:  # the cohort goes now, whatever the store does
                 self._activate(None)
                 self.unstored = {"rollout_id": rollout["id"], "at": self.clock(), "actor": "kvd",
@@ -448,8 +475,9 @@ class RolloutManager:
     def status(self, rollout_id: int | None = None, samples: bool = False) -> dict:
         """A rollout (default: the active one, else the latest) with its transitions, and its live
         figures while it is active (`samples`: each side's totals and latest samples too, `sides`,
-        which kvd router adds up across the fleet). NOTE: the store is read outside `lock`, which the engine
-        thread takes: no file I/O under it."""
+        which kvd router adds up across the fleet; once a fleet rollout has ended, those its last
+        transition kept, with `sides_ended` true). NOTE: the store is read outside `lock`, which the
+        engine thread takes: no file I/O under it."""
         active = self.active
         if rollout_id is None:
             if active is None:
@@ -475,6 +503,11 @@ class RolloutManager:
             since = self.figures_since if live else None
             sides = {"cohort": self.cohort.sides_entry(), "baseline": self.baseline.sides_entry()} \
                 if live and samples else None
+        kept = [e["detail"]["sides"] for e in events if "sides" in e["detail"]]
+        ended_sides = samples and not live and bool(kept)
+        if ended_sides:
+            sides = kept[-1]
+        events = [{**e, "detail": without_sides(e["detail"])} for e in events]
         recorded = [e for e in events if "figures" in e["detail"]]
         return {**row, "events": events, "cohort": cohort, "baseline": baseline,
                 **({"unstored": unstored_text(pending)} if unstored else {}),
@@ -482,7 +515,7 @@ class RolloutManager:
                 "last_figures": None if not recorded else {
                     "at": recorded[-1]["at"], "action": recorded[-1]["action"], **recorded[-1]["detail"]["figures"]},
                 "traffic": traffic_split(row, cohort, baseline) if live else None,
-                **({"sides": sides} if sides is not None else {})}
+                **({"sides": sides, "sides_ended": ended_sides} if sides is not None else {})}
 
     def summary(self) -> dict | None:
         """The running or paused rollout in a line's worth of fields (for `kvctl status`); None without one."""
