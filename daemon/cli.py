@@ -154,6 +154,10 @@ def serve(
     tenant_files_bytes: Optional[str] = typer.Option(
         None, help="Per-tenant budgets of --files-store-bytes, e.g. acme=20GiB,*=1GiB (* each tenant not named); "
                    "an upload past its tenant's is refused (400). Live on a reload."),
+    files_max_age: Optional[str] = typer.Option(
+        None, help="Remove files (uploads and batches' outputs) older than this (12h, 30d), whatever their own "
+                   "expires_after; a running batch's input once it ends. Default: kept until deleted or their "
+                   "own expiry. Live on a reload."),
     batch_concurrency: Optional[int] = typer.Option(
         None, help="Requests of /v1/batches served at once, across every tenant's batches (each batch's in turn; "
                    "flex under a priority queue). Live on a reload (default 8)."),
@@ -322,6 +326,7 @@ def serve(
                    batch_via_ca_file=batch_via_ca_file, batch_via_client_cert=batch_via_client_cert,
                    webhooks_file=webhooks_file, max_file_bytes=max_file_bytes,
                    files_store_bytes=files_store_bytes, tenant_files_bytes=tenant_files_bytes,
+                   files_max_age=files_max_age,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
                    conversations_store_bytes=conversations_store_bytes, truncation_headroom=truncation_headroom,
                    reply_ids_bytes=reply_ids_bytes,
@@ -374,6 +379,7 @@ SERVE_HELP_PANELS = {
                          "responses_store_bytes", "responses_store_file", "responses_max_age", "batch_concurrency",
                          "batch_via", "batch_via_token_file", "batch_via_ca_file", "batch_via_client_cert",
                          "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
+                         "files_max_age",
                          "conversations_store_bytes", "reply_ids_bytes", "truncation_headroom",
                          "shutdown_timeout", "engine_stall_exit_seconds", "gc_freeze", "gc_warn_seconds",
                          "log_level", "log_format",

@@ -277,6 +277,10 @@ class KvdConfig:
     # one tenant's share of those: "acme=20GiB,*=1GiB" (YAML: a mapping; * each tenant not named); an
     # upload past its tenant's is refused (400); none: files_store_bytes alone bounds each tenant's files
     tenant_files_bytes: tuple[tuple[str, int], ...] = ()
+    # files (uploads and batches' outputs) older than this many seconds are removed as an expired one is,
+    # whatever their own expires_after (the earlier of the two counts; a running batch's input once the
+    # batch has ended); "30d" in YAML or on the command line; None: kept until deleted or their own expiry
+    files_max_age: float | None = None
     # the responses /v1/responses keeps for previous_response_id, in memory (response_store.py); 0: none
     responses_store_bytes: int = 64 * 2**20
     # requests of /v1/batches served at once, across every tenant's batches (each batch's in turn)
@@ -434,7 +438,7 @@ def name_list(value: Any) -> tuple[str, ...]:
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": size_in_bytes,
     "max_request_bytes": size_in_bytes, "max_file_bytes": size_in_bytes, "files_store_bytes": size_in_bytes,
-    "responses_store_bytes": size_in_bytes, "responses_max_age": parse_duration,
+    "responses_store_bytes": size_in_bytes, "responses_max_age": parse_duration, "files_max_age": parse_duration,
     "conversations_store_bytes": size_in_bytes,
     "reply_ids_bytes": size_in_bytes,
     "truncation_headroom": finite_number,

@@ -60,7 +60,9 @@ def files_view(d: dict, now: float | None = None) -> Group:
     refused = d["refused"]
     parts.append(Text(f"{size(d['bytes'])} of {size(d['store_bytes'])} kept (files_store_bytes); uploads up to "
                       f"{size(d['max_file_bytes'])} (max_file_bytes); since kvd started {refused['tenant']:,} "
-                      f"refused past a tenant's budget, {refused['store']:,} past files_store_bytes"))
+                      f"refused past a tenant's budget, {refused['store']:,} past files_store_bytes"
+                      + (f"; each removed {duration(d['max_age'])} after it was made at the latest (files_max_age)"
+                         if d.get("max_age") else "")))
     return Group(*parts)
 
 

@@ -369,7 +369,7 @@ def test_an_expired_input_file_stays_while_its_batch_runs_and_goes_once_it_has_e
         return await ended(runner, batch.id)
 
     asyncio.run(go())
-    assert [f.id for f in runner.files.expire(keep)] == [file_id]
+    assert [(f.id, why) for f, why in runner.files.expire(keep)] == [(file_id, "expires_after")]
     assert file_id not in runner.files.files and not (tmp_path / "files" / f"{file_id}.json").exists()
 
 

@@ -233,6 +233,52 @@ def test_a_file_is_removed_once_past_the_expiry_its_caller_gave_and_a_batch_s_ou
     assert gone.status_code == 404 and gone.json()["error"]["message"] == f"file_id: no file {kept.id!r} is kept here"
 
 
+def test_files_max_age_removes_each_file_that_old_whatever_its_own_expiry_and_says_so(kvd, caplog):  # noqa: F811
+    import logging
+    from dataclasses import replace
+
+    from kvctl.daemon.config import resolve
+    from kvctl.files_cmd import files_view
+
+    service, unix, _ = kvd
+    assert resolve({"state_dir": "/tmp/x", "files_max_age": "30d"}, env={}).files_max_age == 30 * 86400
+    with pytest.raises(Exception, match="files_max_age"):
+        resolve({"state_dir": "/tmp/x", "files_max_age": "0"}, env={})
+    service.config = replace(service.config, files_max_age=7200.0)  # (as a reload sets it)
+
+    async def go():
+        client = client_for(unix)
+        made = []
+        for name, after in (("plain", None), ("later", 3 * 86400), ("sooner", 3600)):
+            extra = {} if after is None else {"expires_after": {"anchor": "created_at", "seconds": after}}
+            made.append(await client.files.create(file=(f"{name}.jsonl", b"{}\n"), purpose="batch", **extra))
+        return made, [await client.files.retrieve(f.id) for f in made]
+
+    made, again = asyncio.run(go())
+    created = made[0].created_at
+    assert [f.expires_at - f.created_at for f in made] == [7200, 7200, 3600]  # the earlier of the two
+    assert [f.expires_at for f in again] == [f.expires_at for f in made]
+    listed = call(unix, "GET", "/admin/files", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
+    assert listed["max_age"] == 7200.0 and {row["expires_at"] for row in listed["files"]} == {
+        created + 7200, made[2].created_at + 3600}
+    from rich.console import Console
+    console = Console(width=400, record=True)
+    console.print(files_view(listed, now=created))
+    assert "each removed 2h after it was made at the latest (files_max_age)" in console.export_text()
+    service.files.clock = lambda: created + 3600
+    service._expire_files()
+    assert set(service.files.files) == {made[0].id, made[1].id}
+    service.files.clock = lambda: created + 7200
+    with caplog.at_level(logging.INFO, logger="kvd"):
+        service._expire_files()
+    assert service.files.files == {} and dict(service.files.expired) == {"expires_after": 1, "files_max_age": 2}
+    assert (f"removed 2 files past files_max_age (2h): {made[0].id} of tenant default, {made[1].id} of tenant "
+            "default") in caplog.text
+    metrics = call(unix, "GET", "/metrics").text
+    assert 'kvd_files_expired_total{set_by="files_max_age"} 2.0' in metrics
+    assert 'kvd_files_expired_total{set_by="expires_after"} 1.0' in metrics
+
+
 def test_a_batch_of_responses_gives_what_each_gets_alone_and_sums_their_usage(kvd):  # noqa: F811
     _, unix, _ = kvd
     rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses", "body": {

@@ -16,6 +16,7 @@ counted, so a tenant whose outputs took it to its budget uploads again once it d
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import threading
 import time
@@ -106,10 +107,13 @@ class FileStore:
     """The files of every tenant, kept in `folder` across restarts."""
 
     def __init__(self, folder: str | Path, clock: Callable[[], float] = time.time,
-                 budgets: Callable[[], FileBudgets] | None = None) -> None:
+                 budgets: Callable[[], FileBudgets] | None = None,
+                 max_age: Callable[[], float | None] = lambda: None) -> None:
         self.folder = Path(folder)
         self.clock = clock
         self.budgets = budgets or (lambda: FileBudgets(store=2**63))
+        self.max_age = max_age  # files_max_age as it is now (live on a reload); None: none
+        self.expired: Counter[str] = Counter()  # files removed past their expiry since kvd started, by what set it
         self.files: dict[str, StoredFile] = {}
         self.lock = threading.Lock()  # (a budget's check and the bytes it lets in, one upload at a time)
         self.reserved: Counter[str] = Counter()  # bytes of uploads being written, by tenant
@@ -238,14 +242,31 @@ class FileStore:
                        if tenant in (None, f.tenant) and purpose in (None, f.purpose)],
                       key=lambda f: (f.created_at, f.id), reverse=True)
 
-    def expire(self, keep: Callable[[StoredFile], bool]) -> list[StoredFile]:
-        """Remove the files past their expires_at but those `keep` holds (a running batch's input,
-        removed once it has ended); the files removed."""
+    def expiry(self, stored: StoredFile) -> tuple[int | None, str | None]:
+        """(when `stored` goes, what set that): the earlier of its own expires_at (`expires_after`)
+        and its creation plus files_max_age; (None, None): it stays until deleted."""
+        span = self.max_age()
+        capped = None if span is None else stored.created_at + math.ceil(span)
+        if capped is not None and (stored.expires_at is None or capped < stored.expires_at):
+            return capped, "files_max_age"
+        return stored.expires_at, None if stored.expires_at is None else "expires_after"
+
+    def public(self, stored: StoredFile) -> dict:
+        """The file object OpenAI's API answers, `expires_at` when it goes (`expiry`)."""
+        return {**stored.public(), "expires_at": self.expiry(stored)[0]}
+
+    def expire(self, keep: Callable[[StoredFile], bool]) -> list[tuple[StoredFile, str]]:
+        """Remove the files past their expiry (`expiry`) but those `keep` holds (a running batch's
+        input, removed once it has ended); each file removed, and what set its expiry."""
         now = self.clock()
-        gone = [f for f in list(self.files.values())
-                if f.expires_at is not None and f.expires_at <= now and not keep(f)]
-        for stored in gone:
+        gone = []
+        for stored in list(self.files.values()):
+            at, why = self.expiry(stored)
+            if at is not None and at <= now and not keep(stored):
+                gone.append((stored, why))
+        for stored, why in gone:
             self.delete(stored.tenant, stored.id)
+            self.expired[why] += 1
         return gone
 
     def delete(self, tenant: str, file_id: str) -> StoredFile:

@@ -76,15 +76,16 @@ def batch_routes(service, principal, admin) -> APIRouter:
         # (the form's file, spooled to disk as it came: copied a piece at a time, never held whole)
         stored = await run_in_threadpool(files.add, who.tenant, file.filename or "upload.jsonl", purpose, file.file,
                                          None, expires_in, files_elsewhere(who, elsewhere))
-        return stored.public()
+        return files.public(stored)
 
     @router.get("/v1/files")
     async def list_files(purpose: str | None = Query(None), who: Principal = Depends(principal)):
-        return {"object": "list", "data": [f.public() for f in files.listed(who.tenant, purpose)], "has_more": False}
+        return {"object": "list", "data": [files.public(f) for f in files.listed(who.tenant, purpose)],
+                "has_more": False}
 
     @router.get("/v1/files/{file_id}")
     async def get_file(file_id: str, who: Principal = Depends(principal)):
-        return files.get(who.tenant, file_id).public()
+        return files.public(files.get(who.tenant, file_id))
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str, who: Principal = Depends(principal)):
@@ -147,9 +148,10 @@ def batch_routes(service, principal, admin) -> APIRouter:
         """Every tenant's files (or `tenant`'s), the latest first; what each tenant's take of its
         budget, and of files_store_bytes all of them together; uploads refused since kvd started."""
         config = service.config
-        return {"files": [{**f.public(), "tenant": f.tenant} for f in files.listed(tenant)],
+        return {"files": [{**files.public(f), "tenant": f.tenant} for f in files.listed(tenant)],
                 "tenants": {name: row for name, row in files.tenants().items() if tenant in (None, name)},
                 "bytes": files.held(), "store_bytes": config.files_store_bytes, "max_file_bytes": config.max_file_bytes,
+                "max_age": config.files_max_age,
                 "refused": {"tenant": files.refused["tenant"], "store": files.refused["store"]}}
 
     @router.delete("/admin/files/{file_id}")

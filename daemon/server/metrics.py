@@ -401,6 +401,12 @@ class _EngineCollector:
         for budget in ("tenant", "store"):
             family.add_metric([budget], files.refused[budget])
         yield family
+        family = CounterMetricFamily("kvd_files_expired", "Files removed once past their expiry since kvd started, "
+                                     "by what set it: expires_after (the file's own, or a batch's "
+                                     "output_expires_after) or files_max_age", labels=["set_by"])
+        for why in ("expires_after", "files_max_age"):
+            family.add_metric([why], files.expired[why])
+        yield family
         replies = self.service.reply_ids.figures()  # chat replies' own ids (reply_ids.py)
         yield GaugeMetricFamily("kvd_reply_ids_kept", "Chat replies whose token ids kvd keeps for the next turn",
                                 value=replies["replies"])

@@ -41,7 +41,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait
                  "prompt_cache_breakpoints", "prompt_cache_explicit_tenants",
                  "batch_concurrency", "batch_via", "batch_via_token_file", "batch_via_ca_file",
                  "batch_via_client_cert", "webhooks_file", "max_file_bytes", "files_store_bytes", "tenant_files_bytes",
-                 "log_stats_interval",
+                 "files_max_age", "log_stats_interval",
                  "lora_modules", "lora_runtime_updates", "max_loras", "speculative_config", "responses_max_age",
                  "truncation_headroom", "responses_store_bytes", "conversations_store_bytes",
                  "reply_ids_bytes", "engine_stall_exit_seconds", "hit_curve_tenants")

@@ -53,7 +53,7 @@ from .webhooks import Webhooks, read_endpoints
 from .batches import BatchRunner
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
-from .durations import unix_time
+from .durations import format_duration, unix_time
 from .engine_liveness import (NOT_STARTED, NOTHING_CHANGED, QUESTION_WAITS, STALLED_EXIT, EngineLoop,
                               held_unless_stalled, refuse_if_stalled, stack_of, stalled_refusal, take_unless_stalled)
 from .engine_profile import EngineProfiler
@@ -160,7 +160,7 @@ class EngineService:
         self.reply_ids = ReplyIds(config.reply_ids_bytes)  # chat replies' own ids, for the next turn's prompt
         # /v1/files and /v1/batches: kept in the state folder, served from it again after a restart
         self.files = FileStore(Path(config.state_dir) / "files", budgets=lambda: FileBudgets(
-            self.config.files_store_bytes, self.config.tenant_files_bytes))
+            self.config.files_store_bytes, self.config.tenant_files_bytes), max_age=lambda: self.config.files_max_age)
         # OpenAI's webhooks to each tenant's endpoint when its batch or background response ends
         self.webhook_endpoints = read_endpoints(config.webhooks_file) if config.webhooks_file else {}
         self.webhooks = Webhooks(Path(config.state_dir) / "webhooks", lambda: self.webhook_endpoints)
@@ -551,11 +551,15 @@ class EngineService:
             return dict(self.refused)
 
     def _expire_files(self) -> None:
-        """Remove the files (/v1/files) past their expires_after, but a running batch's input."""
+        """Remove the files (/v1/files) past their expires_after or files_max_age, but a running batch's input."""
         gone = self.files.expire(keep=lambda stored: self.batches.holds_input(stored.id) is not None)
-        if gone:
-            log.info("removed %d files past their expires_after: %s", len(gone),
-                     ", ".join(f"{f.id} of tenant {f.tenant}" for f in gone[:10]) + (" ..." if len(gone) > 10 else ""))
+        for why in ("expires_after", "files_max_age"):
+            those = [stored for stored, set_by in gone if set_by == why]
+            if those:
+                past = "their expires_after" if why == "expires_after" else \
+                    f"files_max_age ({format_duration(self.config.files_max_age)})"
+                log.info("removed %d files past %s: %s", len(those), past, ", ".join(
+                    f"{f.id} of tenant {f.tenant}" for f in those[:10]) + (" ..." if len(those) > 10 else ""))
 
     def _say_engine_loop(self) -> None:
         """Log once that the engine stopped coming round its loop, and once that it came round again;
