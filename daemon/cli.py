@@ -452,7 +452,7 @@ async def _serve(settings, re_resolve) -> int:
     """Serve until SIGTERM (or the device is lost to the process): the exit code."""
     from kvctl.daemon.file_identity import os_problem
     from kvctl.daemon.folder_claim import FolderClaim, FolderTaken
-    from kvctl.daemon.server import unix_front
+    from kvctl.daemon.server import serve_again, unix_front
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.device_loss import DEVICE_LOST_EXIT
@@ -518,6 +518,7 @@ async def _serve(settings, re_resolve) -> int:
     service.on_device_lost = lambda: loop.call_soon_threadsafe(stopping.set)  # (from the engine thread)
     service.on_stall_exit = partial(exit_stalled, front)  # (from housekeeping: the engine holds what a stop needs)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
+    serve_again.start(service, unix_app)  # the background responses the last stop cut short: queued from the first call
     fronts = Fronts()
     fronts.serve(unix_app, sockets=[front.sock])
     if tcp_app is not None:

@@ -1,8 +1,9 @@
 """A background response and kvd's stops: with `responses_store_file`, one running when kvd stopped
-without ending it (a crash, a kill) is kept `failed` at the next start, not forgotten, and its
+without ending it (a crash, a kill) is not forgotten: served again at the next start
+(test_response_serve_again.py), or kept `failed` where the file has no request of it, and its
 tenant's webhook says so; an end's webhook is told once the file has the end, and told again at
-a start where its event was not written down; one kvd's own stop cancels ends `failed`, not
-`cancelled` as if its client had asked."""
+a start where its event was not written down; without the file, one kvd's own stop cancels ends
+`failed`, not `cancelled` as if its client had asked."""
 
 from __future__ import annotations
 
@@ -131,16 +132,16 @@ def copy_of(path, to):
     return to
 
 
-def acme_running(tmp_path, state, gated, tokens: int, **settings):
-    """A kvd (state folder `state`, its responses file in it) telling acme's endpoint, whose model
-    writes `tokens` A's, holding at the third until the test opens `gated`'s gate: (service, its
-    TCP app, and `started(acme)`, which makes acme's background response and waits for its first
-    output: its id)."""
+def acme_running(tmp_path, state, gated, tokens: int, file: bool = True, **settings):
+    """A kvd (state folder `state`, its responses file in it unless `file` is false) telling acme's
+    endpoint, whose model writes `tokens` A's, holding at the third until the test opens `gated`'s
+    gate: (service, its TCP app, and `started(acme)`, which makes acme's background response and
+    waits for its first output: its id)."""
     from .daemon_fixtures import apps, start_service, token_table
 
     hooks = hooks_file(tmp_path, f"acme https://acme.example/hooks {ACME_SECRET}\n")
-    service = start_service(state, webhooks_file=str(hooks), responses_store_file=str(state / "responses.sqlite"),
-                            **settings)
+    service = start_service(state, webhooks_file=str(hooks),
+                            responses_store_file=str(state / "responses.sqlite") if file else None, **settings)
     gated["script"][:] = service.loaded.tokenizer.encode("A", add_special_tokens=False) * tokens
     gated["hold"] = 2
 
@@ -154,7 +155,7 @@ def acme_running(tmp_path, state, gated, tokens: int, **settings):
     return service, apps(service, token_table(tmp_path))[1], started
 
 
-def test_kvd_started_after_a_kill_says_the_response_failed_to_its_client_and_its_webhook(tmp_path, gated):
+def test_kvd_started_after_a_kill_serves_the_response_again_and_its_webhook_is_told_its_end(tmp_path, gated):
     from .daemon_fixtures import USER_TOKEN, apps, start_service, token_table
     from .test_responses_api import client_for
 
@@ -176,37 +177,42 @@ def test_kvd_started_after_a_kill_says_the_response_failed_to_its_client_and_its
         gated["gate"].set()
         service.shutdown(1)
 
+    from kvctl.daemon.server import serve_again
+
     hooks = tmp_path / "webhooks.txt"
-    for life in range(2):  # the next start says it failed; the one after keeps it so and tells nothing again
+    gated["script"][:] = gated["script"][:4]  # (served again, it writes four A's)
+    for life in range(2):  # the next start serves it again; the one after keeps it so and tells nothing again
         service = start_service(later, webhooks_file=str(hooks), responses_store_file=str(later / "responses.sqlite"))
         receiver = Receiver()
         service.webhooks.transport = receiver.transport
         try:
-            _, tcp = apps(service, token_table(tmp_path))
+            unix, tcp = apps(service, token_table(tmp_path))
 
             async def after():
+                acme = client_for(tcp, USER_TOKEN)
+                await asyncio.gather(*serve_again.start(service, unix))
+                while (await acme.responses.retrieve(made)).status in ("queued", "in_progress"):
+                    await asyncio.sleep(0.02)
                 service.webhooks.start()
                 await until(lambda: not service.webhooks.pending)
                 await asyncio.sleep(0.05)
-                acme = client_for(tcp, USER_TOKEN)
                 items = await acme.responses.input_items.list(made)
                 return await acme.responses.retrieve(made), [item.content[0].text for item in items.data]
 
             kept, inputs = asyncio.run(after())
-            assert (kept.status, kept.background, kept.output) == ("failed", True, [])
-            assert (kept.error.code, kept.error.message) == ("server_error", CUT_SHORT["message"])
+            assert (kept.status, kept.background, kept.output_text) == ("completed", True, "AAAA")
             assert inputs == ["Hi"]
             assert [(event.type, event.data.id) for event in receiver.events()] == (
-                [] if life else [("response.failed", made)])
+                [] if life else [("response.completed", made)])
         finally:
             service.shutdown(1)
 
 
-def test_a_background_response_kvd_s_stop_cancels_past_its_deadline_ends_failed_not_cancelled(tmp_path, gated):
+def test_without_a_file_one_kvd_s_stop_cancels_past_its_deadline_ends_failed_not_cancelled(tmp_path, gated):
     from .daemon_fixtures import USER_TOKEN
     from .test_responses_api import client_for
 
-    service, tcp, started = acme_running(tmp_path, tmp_path, gated, 4000, num_blocks=512)
+    service, tcp, started = acme_running(tmp_path, tmp_path, gated, 4000, file=False, num_blocks=512)
 
     async def go():
         made = await started(client_for(tcp, USER_TOKEN))

@@ -240,7 +240,8 @@ def test_kept_responses_are_their_tenant_s_and_the_least_recently_used_go_first(
     assert [kept(store, "acme", f"resp_{n}") for n in (1, 2, 3, 4)] == ["resp_1", None, "resp_3", "resp_4"]
     assert store.get("acme", "resp_4").inputs == tuple(inputs())
     assert store.figures() == {"responses": 3, "bytes": 3 * one, "budget_bytes": 3 * one, "dropped": 1,
-                               "expired": 0, "running": 0, "replay_bytes": 0, "file": None}
+                               "expired": 0, "running": 0, "served_again": 0,
+                               "replay_bytes": 0, "file": None}
     assert not store.put("acme", {"id": "resp_big", "pad": "x" * 4 * one}, conversation(), inputs())
     assert kept(store, "acme", "resp_big") is None and store.figures()["responses"] == 3
     assert store.delete("acme", "resp_3") and kept(store, "acme", "resp_3") is None
@@ -248,7 +249,7 @@ def test_kept_responses_are_their_tenant_s_and_the_least_recently_used_go_first(
     none = ResponseStore(0)  # responses_store_bytes 0: keeps none, and lets none go for room
     assert not none.keeps and not none.put("acme", response(1), conversation())
     assert none.figures() == {"responses": 0, "bytes": 0, "budget_bytes": 0, "dropped": 0, "expired": 0,
-                              "running": 0, "replay_bytes": 0, "file": None}
+                              "running": 0, "served_again": 0, "replay_bytes": 0, "file": None}
 
 
 def test_the_turns_of_a_conversation_count_their_shared_messages_once():
@@ -686,7 +687,8 @@ def test_with_responses_store_bytes_0_kvd_answers_responses_and_keeps_none(tmp_p
                          json={"input": "More", "previous_response_id": made.json()["id"]})
         assert (continued.status_code, continued.json()["error"]["param"]) == (404, "previous_response_id")
         assert service.status()["responses"] == {"responses": 0, "bytes": 0, "budget_bytes": 0, "dropped": 0,
-                                                 "expired": 0, "running": 0, "replay_bytes": 0, "file": None}
+                                                 "expired": 0, "running": 0, "served_again": 0, "replay_bytes": 0,
+                                                 "file": None}
         refused = call(unix, "POST", "/v1/responses", json={"input": "Hi", "background": True})
         assert refused.status_code == 400 and refused.json()["error"]["message"] == (
             "background: a background response is kept for its client to fetch, and kvd keeps no response "

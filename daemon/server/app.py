@@ -39,7 +39,7 @@ from kvctl.daemon.engine.sampling import CACHE_PRIVATE, ContextLengthExceeded, R
 from kvctl.daemon.model.chat_template import ChatTemplateError
 from kvctl.daemon.store import StoreUnavailable
 
-from . import cache_breakpoints, device_loss, invalid_request, kv_transfer, service_tiers
+from . import cache_breakpoints, device_loss, invalid_request, kv_transfer, serve_again, service_tiers
 from .admin_routes import admin_routes
 from .admin_slots import AdminWriteSlots
 from .api_errors import ApiError, checked_ids, error_body, model_served, refuse_unsupported
@@ -181,6 +181,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     # The dependencies are coroutines: they do no I/O, and a plain function would be run in a
     # worker thread. On a busy host that hop held a completion back 5-7 ms before its handler.
     async def principal(request: Request) -> Principal:
+        given = request.scope.get(serve_again.PRINCIPAL)
+        if given is not None:  # kvd's own call, in process (serve_again.py): no client sets a scope's keys
+            return given
         header = request.headers.get("x-kvd-tenant")
         if header is not None and not TENANT_PATTERN.match(header):
             raise ApiError(400, f"X-KVD-Tenant: invalid value {header!r}; use [A-Za-z0-9._-]{{1,64}}",

@@ -348,6 +348,9 @@ class _EngineCollector:
                                   "responses_max_age", value=kept["expired"])
         yield GaugeMetricFamily("kvd_responses_running", "Background responses (background: true) running now",
                                 value=kept["running"])
+        yield CounterMetricFamily("kvd_responses_served_again", "Background responses kvd's last stop cut short, "
+                                  "served again from the start at this start (responses_store_file)",
+                                  value=kept["served_again"])
         yield GaugeMetricFamily("kvd_responses_replay_bytes", "Bytes of the events kept to stream ended background "
                                 "responses again (within a quarter of responses_store_bytes, beside the kept "
                                 "responses' bytes)", value=kept["replay_bytes"])

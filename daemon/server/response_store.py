@@ -31,7 +31,7 @@ from typing import Callable
 
 from kvctl.policies.kept_state import KeptByTenant
 
-from .background_file import BackgroundFile, Untold
+from .background_file import BackgroundFile, Cut, Untold
 from .gone_book import GoneBook, GoneFile
 from .kept_budget import ResizableBudget
 from .response_file import ResponseFile, ResponseFileError
@@ -41,6 +41,9 @@ log = logging.getLogger("kvd")
 REPLAY_S = 300.0  # how long an ended background response's events can still be streamed again
 CUT_SHORT = {"code": "server_error", "message": "kvd stopped before it ended, without ending it (a crash, a kill, or a "
                                                 "stop whose last writes did not land); what it wrote is lost"}
+SERVED_AGAIN_AT_MOST = 1  # times a background response cut short by kvd's stop is served again (serve_again.py)
+CUT_SHORT_AGAIN = {"code": "server_error", "message": "kvd stopped before it ended, and stopped again before it ended "
+                                                      "when it was served again from the start; what it wrote is lost"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,18 +95,27 @@ class ResponseStore(ResizableBudget):
         self.tell: Callable[[str, str, str], bool] | None = None
         self.untold: list[Untold] = []  # ends whose webhook was not written down before kvd last stopped
         self.background = BackgroundFile(file) if file is not None else None
+        # running when kvd last stopped, and not ended: served again from the start (serve_again.start takes them)
+        self.again: list[Cut] = []
+        self.served_again = 0  # background responses served again since kvd started (take_again)
         if file is not None:  # (the oldest first: those that no longer fit go, from the file too)
             for tenant, response, conversation, inputs in file.load():
                 self.put(tenant, response, conversation, inputs, written=True)
             cut, self.untold = self.background.load()
-            for run in cut:  # running when kvd last stopped, and not ended: failed (the newest kept)
-                self.put(run.tenant, {**run.response, "status": "failed", "error": CUT_SHORT}, run.conversation,
+            self.again = [run for run in cut if self.keeps and run.request is not None
+                          and run.attempts < SERVED_AGAIN_AT_MOST]
+            failed = [run for run in cut if run not in self.again]
+            for run in failed:  # failed (the newest kept)
+                error = CUT_SHORT if run.request is None or not self.keeps else CUT_SHORT_AGAIN
+                self.put(run.tenant, {**run.response, "status": "failed", "error": error}, run.conversation,
                          run.inputs)
                 self.background.ended(run.response["id"], run.tenant, "response.failed")
                 self.untold.append(Untold(run.tenant, "response.failed", run.response["id"]))
             if cut:
-                log.warning("%d background responses were running when kvd last stopped without ending them (a "
-                            "crash or a kill): kept failed, and their tenants' webhooks told", len(cut))
+                log.warning("%d background responses were running when kvd last stopped without ending them: %d "
+                            "served again from the start; %d kept failed (cut short again, or written down by a kvd "
+                            "that kept no request), their tenants' webhooks told", len(cut), len(self.again),
+                            len(failed))
             file.start()
 
     @property
@@ -289,13 +301,39 @@ class ResponseStore(ResizableBudget):
             found = {"ids": [response_id for response_id, _ in chosen]} if ids is not None else {}
             return {"responses": len(chosen), "bytes": freed, "tenants": tenants, **found}
 
-    def begin(self, response_id: str, run, conversation: list[dict] = (), inputs: list[dict] = ()) -> None:
+    def begin(self, response_id: str, run, conversation: list[dict] = (), inputs: list[dict] = (),
+              request: dict | None = None, role: str | None = None, attempts: int = 0) -> None:
         """A background response starts: `run` (response_runs.Run) answers for it until it ends; in
-        the file, it is written down as it opened, with the conversation and items it is made from."""
+        the file, it is written down as it opened, with the conversation and items it is made from,
+        and what serves it again after kvd's stop: the request, its caller's role, and how often it
+        was served again already."""
         with self.lock:
             self.runs[response_id] = run
         if self.background is not None:
-            self.background.began(run.tenant, run.now(), list(conversation), list(inputs))
+            self.background.began(run.tenant, run.now(), list(conversation), list(inputs), request, role, attempts)
+
+    def serves_again(self, attempts: int) -> bool:
+        """Whether a background response served `attempts` times again already, which kvd's stop cuts
+        short, is served again at the next start (the file keeps it): else it ends `failed` now."""
+        return self.background is not None and attempts < SERVED_AGAIN_AT_MOST
+
+    def set_aside(self, tenant: str, response_id: str) -> None:
+        """kvd's stop cut it short: no longer running here, and still written down as running, so that
+        the next start serves it again; the response its cancel kept as it ended is let go."""
+        with self.lock:
+            self.runs.pop(response_id, None)
+        self.delete(tenant, response_id)
+
+    def take_again(self) -> list[Cut]:
+        """Those to serve again (each once: serve_again.start)."""
+        again, self.again = self.again, []
+        self.served_again += len(again)
+        return again
+
+    def waiting(self, response_id: str, run) -> None:
+        """`run` answers for a response waiting to be served again (queued) until it runs."""
+        with self.lock:
+            self.runs[response_id] = run
 
     def running(self, tenant: str, response_id: str):
         """The tenant's background response `response_id` while it runs, or None."""
@@ -375,6 +413,7 @@ class ResponseStore(ResizableBudget):
             self._forget_replays()
             return {"responses": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
                     "dropped": self.dropped, "expired": self.expired, "running": len(self.runs),
+                    "served_again": self.served_again,
                     "replay_bytes": self.replay_bytes, "file": None if self.file is None else self.file.figures()}
 
 

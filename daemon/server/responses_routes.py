@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
+from . import serve_again
 from .api_errors import ApiError, model_served, refuse_unsupported
 from .calls import Principal, ServiceError
 from .chat import ChatCompletionRequest
@@ -196,7 +197,9 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                 turn.end(None)
             raise
         model = service.adapter_named(body.model) or service.model_name  # (the chat has checked it)
-        head = {"id": new_id("resp_"), "created": now(), "model": model}
+        again = http.scope.get(serve_again.SERVE_AGAIN)  # kvd serving it again after its stop: the same id
+        head = {"id": again["id"] if again else new_id("resp_"),
+                "created": again["created"] if again and again.get("created") else now(), "model": model}
         named = {REQUEST_ID_HEADER: answer.headers.get(REQUEST_ID_HEADER.lower(), "")}
         if body.store and service.responses.keeps:
             named[RESPONSE_ID_HEADER] = head["id"]
@@ -205,8 +208,9 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         items = OutputItems(body.carries_reasoning(), answer_logprobs)
         if body.background:
             events = _events(answer.body_iterator, body, who, head, conversation, inputs, items, turn)
-            run = in_background(events, body, who, head, named[REQUEST_ID_HEADER], items, conversation, inputs, turn)
-            if body.stream:
+            run = in_background(events, body, who, head, named[REQUEST_ID_HEADER], items, conversation, inputs, turn,
+                                again["attempts"] if again else 0)
+            if body.stream and not again:  # (served again, it answers at once: no client reads its stream)
                 return StreamingResponse(_sse(run.events_after(-1)), media_type="text/event-stream", headers=named)
             return JSONResponse(run.now(), headers=named)
         if isinstance(answer, StreamingResponse):
@@ -345,8 +349,9 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
 
     def in_background(events: AsyncIterator[dict], body: ResponsesRequest, who: Principal, head: dict,
                       request_id: str, items: OutputItems, conversation: list[dict], inputs: list[dict],
-                      turn: Turn | None) -> Run:
-        """Runs the response's events in a task of its own, which no client's leaving cancels."""
+                      turn: Turn | None, attempts: int = 0) -> Run:
+        """Runs the response's events in a task of its own, which no client's leaving cancels.
+        `attempts`: how often it was served again after kvd's stop (serve_again.py)."""
         run = Run(who.tenant, request_id, bool(body.stream), lambda status: shaped(body, head, items.items, status))
 
         async def drive():
@@ -355,17 +360,32 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                     run.publish(event)
             finally:
                 await events.aclose()
-                if items.response is None or (items.response["status"] == "cancelled" and not run.cancel_asked
-                                              and not service.accepting):  # kvd stopped serving it (its stop)
-                    stopped = {"code": "server_error", "message": "kvd stopped serving it before it ended"}
-                    ended_failed(body, who, head, items, stopped, conversation, inputs, turn)
-                run.end(items.response)
-                ended_as = f"response.{items.response['status']}"  # (told to its tenant's webhook, if any)
-                service.responses.ended(head["id"], run, ended_as if ended_as in EVENT_TYPES else None)
+                ended(run, body, who, head, items, conversation, inputs, turn, attempts)
 
-        service.responses.begin(head["id"], run, conversation, inputs)
+        service.responses.begin(head["id"], run, conversation, inputs,
+                                body.model_dump(mode="json", exclude_unset=True), who.role, attempts)
         run.task = asyncio.get_running_loop().create_task(drive())
         return run
+
+    def ended(run: Run, body: ResponsesRequest, who: Principal, head: dict, items: OutputItems,
+              conversation: list[dict], inputs: list[dict], turn: Turn | None, attempts: int) -> None:
+        """A background response's run has ended: kept and told as it ended. One kvd's stop cut short
+        (its client did not cancel it) is set aside to be served again at the next start where the
+        responses file keeps it (serve_again.py), else it ends `failed`."""
+        stopped = items.response is None or (items.response["status"] == "cancelled" and not run.cancel_asked
+                                             and not service.accepting)
+        if stopped and not service.accepting and service.responses.serves_again(attempts):
+            if turn is not None:
+                turn.end(None)
+            run.end(run.snapshot("queued"))
+            service.responses.set_aside(who.tenant, head["id"])
+            return
+        if stopped:
+            error = {"code": "server_error", "message": "kvd stopped serving it before it ended"}
+            ended_failed(body, who, head, items, error, conversation, inputs, turn)
+        run.end(items.response)
+        ended_as = f"response.{items.response['status']}"  # (told to its tenant's webhook, if any)
+        service.responses.ended(head["id"], run, ended_as if ended_as in EVENT_TYPES else None)
 
     @router.get("/v1/responses/{response_id}")
     async def kept_response(response_id: str, stream: bool = False, starting_after: int = -1,
