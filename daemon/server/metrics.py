@@ -160,6 +160,14 @@ TRANSFER_FAMILIES = (
 )
 
 
+def counted_by(name: str, documentation: str, label: str, counts, keys: tuple[str, ...]) -> CounterMetricFamily:
+    """A counter with one `label`, a sample for each of `keys` (every one, counted 0 or more, from `counts`)."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for key in keys:
+        family.add_metric([key], counts[key])
+    return family
+
+
 def _speculation_metrics(figures: dict):
     """Speculative decoding's totals (engine/speculative.py SpeculationStats.describe)."""
     yield CounterMetricFamily("kvd_spec_decode_drafts", "Decode steps of a sequence that carried a speculative "
@@ -398,18 +406,12 @@ class _EngineCollector:
         yield GaugeMetricFamily("kvd_files_store_budget_bytes", "files_store_bytes: what kvd's files may take, "
                                 "every tenant's together (uploads past it are refused)",
                                 value=self.service.config.files_store_bytes)
-        family = CounterMetricFamily("kvd_file_uploads_refused", "Uploads to /v1/files refused for room, by the "
-                                     "budget they would have passed: tenant (tenant_files_bytes) or store "
-                                     "(files_store_bytes)", labels=["budget"])
-        for budget in ("tenant", "store"):
-            family.add_metric([budget], files.refused[budget])
-        yield family
-        family = CounterMetricFamily("kvd_files_expired", "Files removed once past their expiry since kvd started, "
-                                     "by what set it: expires_after (the file's own, or a batch's "
-                                     "output_expires_after) or files_max_age", labels=["set_by"])
-        for why in ("expires_after", "files_max_age"):
-            family.add_metric([why], files.expired[why])
-        yield family
+        yield counted_by("kvd_file_uploads_refused", "Uploads to /v1/files refused for room, by the budget they "
+                         "would have passed: tenant (tenant_files_bytes) or store (files_store_bytes)", "budget",
+                         files.refused, ("tenant", "store"))
+        yield counted_by("kvd_files_expired", "Files removed once past their expiry since kvd started, by what set "
+                         "it: expires_after (the file's own, or a batch's output_expires_after) or files_max_age",
+                         "set_by", files.expired, ("expires_after", "files_max_age"))
         replies = self.service.reply_ids.figures()  # chat replies' own ids (reply_ids.py)
         yield GaugeMetricFamily("kvd_reply_ids_kept", "Chat replies whose token ids kvd keeps for the next turn",
                                 value=replies["replies"])
