@@ -102,9 +102,10 @@ class ResponseStore(ResizableBudget):
             for tenant, response, conversation, inputs in file.load():
                 self.put(tenant, response, conversation, inputs, written=True)
             cut, self.untold = self.background.load()
-            self.again = [run for run in cut if self.keeps and run.request is not None
-                          and run.attempts < SERVED_AGAIN_AT_MOST]
-            failed = [run for run in cut if run not in self.again]
+            failed = []
+            for run in cut:  # (one pass: served again, or failed)
+                again = self.keeps and run.request is not None and run.attempts < SERVED_AGAIN_AT_MOST
+                (self.again if again else failed).append(run)
             for run in failed:  # failed (the newest kept)
                 error = CUT_SHORT if run.request is None or not self.keeps else CUT_SHORT_AGAIN
                 self.put(run.tenant, {**run.response, "status": "failed", "error": error}, run.conversation,

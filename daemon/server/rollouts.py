@@ -58,17 +58,13 @@ log = logging.getLogger("kvd")
 UNSTORED = ("kvd rolled it back on a stop condition, and the store could not take that yet: kvd tries again at "
             "each check; a restart before then resumes the rollout")
 PENDING_FIELDS = ("rollout_id", "at", "actor", "action", "detail")  # what that file holds of one
-KEPT_APART = ("figures", "sides")  # an event's detail that its audit record leaves out (the figures)
+AUDIT_LEAVES_OUT = ("figures", "sides")  # a transition's figures and samples stay in the rollout's record
+LISTING_LEAVES_OUT = ("sides",)  # status() lists no samples: a fleet rollout's are for kvd router to add up
 
 
-def audited(detail: dict) -> dict:
-    """A transition's detail as its audit record keeps it: without its figures and samples."""
-    return {key: value for key, value in detail.items() if key not in KEPT_APART}
-
-
-def without_sides(detail: dict) -> dict:
-    """An event's detail as status() lists it: a fleet rollout's samples are for kvd router to add up."""
-    return {key: value for key, value in detail.items() if key != "sides"}
+def leaving_out(detail: dict, names: tuple[str, ...]) -> dict:
+    """A transition's detail without the keys `names`."""
+    return {key: value for key, value in detail.items() if key not in names}
 
 
 def unstored_text(pending: dict) -> str:
@@ -330,7 +326,7 @@ class RolloutManager:
                 else:
                     self._activate(None)
         self.store.audit(actor=actor, tenant="-", action=f"rollout.{action}", target=f"rollout:{rollout_id}",
-                         result="ok", detail=audited(detail))
+                         result="ok", detail=leaving_out(detail, AUDIT_LEAVES_OUT))
         return self.status(rollout_id)
 
     def _store_unstored(self, wait: float | None = None) -> None:
@@ -349,7 +345,7 @@ class RolloutManager:
             log.info("rollout %d: its rollback is stored now", pending["rollout_id"])
         self.store.audit(actor=pending["actor"], tenant="-", action="rollout.rollback",
                          target=f"rollout:{pending['rollout_id']}", result="ok",
-                         detail=audited(pending["detail"]))
+                         detail=leaving_out(pending["detail"], AUDIT_LEAVES_OUT))
 
     def _final_sides(self, rollout: dict) -> dict | None:
         """Each side's totals and latest samples as a fleet rollout ends here (kept in its last
@@ -507,7 +503,7 @@ class RolloutManager:
         ended_sides = samples and not live and bool(kept)
         if ended_sides:
             sides = kept[-1]
-        events = [{**e, "detail": without_sides(e["detail"])} for e in events]
+        events = [{**e, "detail": leaving_out(e["detail"], LISTING_LEAVES_OUT)} for e in events]
         recorded = [e for e in events if "figures" in e["detail"]]
         return {**row, "events": events, "cohort": cohort, "baseline": baseline,
                 **({"unstored": unstored_text(pending)} if unstored else {}),
